@@ -1,0 +1,42 @@
+# kvboost-rag developer commands. `make test` installs everything it needs from scratch.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+EXTRAS := langchain,llamaindex,redis,dev
+
+.PHONY: install test demo lint bench fidelity redis-server kernels cuda-compile clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned: a bare or open-ended torch requirement would pull a multi-GB CUDA wheel.
+install: $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+
+# The shared-tier tests need a real redis-server binary (Debian package); skip the install where it exists.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	  || echo "warning: could not install redis-server; redis tests will skip"; }
+
+test: install redis-server
+	$(BIN)/python -m pytest -q -ra --timeout=900 tests
+
+demo: install
+	$(BIN)/kvboost-rag demo
+
+lint: install
+	$(BIN)/ruff check kvboost_core kvboost_rag integrations tests benchmarks examples
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python benchmarks/bench_ttft.py --json benchmarks/results/ttft.json --plot benchmarks/results/ttft.png
+
+fidelity: install
+	$(BIN)/python -m kvboost_rag.cli fidelity
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

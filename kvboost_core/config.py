@@ -1,0 +1,80 @@
+"""Engine configuration: one validated, immutable dataclass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+REPAIRS = ("none", "selective", "cacheblend", "full")
+SELECTS = ("deviation", "value", "key", "recency", "deviation_recency")
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``"2GiB"`` → 2147483648. Accepts ints and strings with SI or IEC units."""
+    if isinstance(value, bool):
+        raise TypeError("max_cache_bytes must be an int or a string such as '2GiB', not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte budget must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"byte budget must be an int or a string such as '2GiB', got {type(value).__name__}")
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse byte size {value!r}; use e.g. 512MiB, 2GiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    chunk_size: int = 128
+    boundary_window: int = 16
+    repair: str = "cacheblend"
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    select: str = "deviation"
+    overlap_k: int = 16
+    sink_tokens: int = 32
+    kv_bits: int | None = None
+    max_cache_bytes: int = 2 * 1024**3
+    namespace: str = "default"
+    store: Any = "memory"
+    store_prefix: bool = True
+    store_repaired: bool = True
+    add_special_tokens: bool = True
+    warm_prefix: Any = None  # None: the tokenizer's BOS (else EOS); a str or a list of ids overrides
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
+            raise ValueError(f"boundary_window must be in [0, chunk_size), got {self.boundary_window!r}")
+        validate_repair(self.repair, self.recompute_ratio, self.select)
+        if not isinstance(self.check_layer, int) or self.check_layer < 0:
+            raise ValueError(f"check_layer must be an int >= 0, got {self.check_layer!r}")
+        if not isinstance(self.overlap_k, int) or self.overlap_k < 0:
+            raise ValueError(f"overlap_k must be an int >= 0, got {self.overlap_k!r}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        if self.kv_bits not in (None, 4, 8, 16):
+            raise ValueError(f"kv_bits must be None, 8 or 4, got {self.kv_bits!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError("namespace must be a non-empty str")
+        object.__setattr__(self, "max_cache_bytes", parse_bytes(self.max_cache_bytes))
+
+    def with_(self, **changes: Any) -> EngineConfig:
+        return replace(self, **changes)
+
+
+def validate_repair(repair: str, ratio: float, select: str = "deviation") -> None:
+    if repair not in REPAIRS:
+        raise ValueError(f"repair must be one of {REPAIRS}, got {repair!r}")
+    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+        raise ValueError(f"recompute_ratio must be a float in [0, 1], got {ratio!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")

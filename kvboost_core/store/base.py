@@ -1,0 +1,99 @@
+"""What a store holds and the interface every tier implements.
+
+A :class:`KVBlock` is the KV of one chunk: token ids, where the chunk stood when it was computed
+(``base_position``, needed to re-rotate RoPE keys), and a payload that can produce dense K/V. Payloads are
+an interface so that quantized storage (int8/int4) slots in without the engine knowing the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvboost_core.keys import CacheKey, Fingerprint
+
+
+@runtime_checkable
+class KVPayload(Protocol):
+    """Stored K/V for one chunk, in some layout. Dense K/V have shape (L, H_kv, n, D)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DensePayload:
+    keys: torch.Tensor  # (L, H_kv, n, D)
+    values: torch.Tensor  # (L, H_kv, n, D)
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
+            raise ValueError(f"keys/values must both be (L, H, n, D), got {tuple(self.keys.shape)} "
+                             f"and {tuple(self.values.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[2])
+
+    def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlock:
+    """One cached chunk. ``kind`` is "content" (computed in a warm context, position independent key) or
+    "prefix" (computed in exactly the context named by its prefix key, reusable as is at ``base_position``)."""
+
+    token_ids: tuple[int, ...]
+    payload: KVPayload
+    base_position: int
+    fingerprint: Fingerprint
+    namespace: str
+    kind: str = "content"
+    parent: CacheKey | None = None  # the parent prefix key, for kind == "prefix"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("content", "prefix"):
+            raise ValueError(f"kind must be 'content' or 'prefix', got {self.kind!r}")
+        if len(self.token_ids) != self.payload.num_tokens:
+            raise ValueError(f"{len(self.token_ids)} token ids but the payload holds "
+                             f"{self.payload.num_tokens} tokens")
+
+    @property
+    def nbytes(self) -> int:
+        # Token ids and metadata are small next to K/V, but count them so the budget is honest.
+        return self.payload.nbytes + 8 * len(self.token_ids) + 128
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class KVStore(Protocol):
+    """A tier, or a stack of tiers. All methods are thread-safe. ``get`` never raises for a bad or missing
+    entry: it returns None (a miss). The caller verifies token ids on every hit."""
+
+    def get(self, key: CacheKey) -> KVBlock | None: ...
+
+    def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool: ...
+
+    def contains(self, key: CacheKey) -> bool: ...
+
+    def delete(self, key: CacheKey) -> bool: ...
+
+    def children(self, parent: CacheKey) -> list[CacheKey]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def clear(self) -> None: ...

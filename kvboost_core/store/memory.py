@@ -1,0 +1,153 @@
+"""In-memory tier with a hard byte budget.
+
+The budget is never exceeded: a put that cannot fit after evicting every unpinned entry is refused
+(returns False) rather than overshooting. Pinned entries are never evicted, and pinning more than the
+budget is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+from kvboost_core.keys import CacheKey
+from kvboost_core.store.base import KVBlock
+from kvboost_core.store.eviction import EntryMeta, EvictionPolicy, LRUPolicy
+
+
+class MemoryStore:
+    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._max_bytes = int(max_bytes)
+        self._policy = policy or LRUPolicy()
+        self._blocks: dict[CacheKey, KVBlock] = {}
+        self._meta: dict[CacheKey, EntryMeta] = {}
+        self._children: defaultdict[CacheKey, set[CacheKey]] = defaultdict(set)
+        self._bytes = 0
+        self._pinned_bytes = 0
+        self._evictions = 0
+        self._lock = threading.RLock()
+
+    # -- reads --------------------------------------------------------------------------------------
+    def get(self, key: CacheKey) -> KVBlock | None:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                meta = self._meta[key]
+                meta.hits += 1
+                meta.last_access = time.monotonic()
+            return block
+
+    def contains(self, key: CacheKey) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def children(self, parent: CacheKey) -> list[CacheKey]:
+        with self._lock:
+            return list(self._children.get(parent, ()))
+
+    # -- writes -------------------------------------------------------------------------------------
+    def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool:
+        size = block.nbytes
+        with self._lock:
+            old = self._meta.get(key)
+            pinned = pin or (old.pinned if old else False)
+            if pinned and self._pinned_bytes - (old.nbytes if old and old.pinned else 0) + size > self._max_bytes:
+                raise ValueError(
+                    f"pinning {size} bytes would put {self._pinned_bytes + size} pinned bytes over the "
+                    f"{self._max_bytes}-byte budget; raise max_cache_bytes or unpin entries first")
+            if size > self._max_bytes:
+                return False
+            if old is not None:
+                self._remove(key)
+            if not self._make_room(size):
+                return False
+            self._blocks[key] = block
+            n_layers = int(getattr(block.payload, "num_layers", 1) or 1)
+            self._meta[key] = EntryMeta(key=key, nbytes=size, num_tokens=block.num_tokens,
+                                        num_layers=n_layers, pinned=pinned)
+            self._bytes += size
+            if pinned:
+                self._pinned_bytes += size
+            if block.parent is not None:
+                self._children[block.parent].add(key)
+            return True
+
+    def pin(self, key: CacheKey, pinned: bool = True) -> bool:
+        with self._lock:
+            meta = self._meta.get(key)
+            if meta is None:
+                return False
+            if pinned and not meta.pinned:
+                if self._pinned_bytes + meta.nbytes > self._max_bytes:
+                    raise ValueError("pinning this entry would exceed the budget; raise max_cache_bytes")
+                self._pinned_bytes += meta.nbytes
+            elif not pinned and meta.pinned:
+                self._pinned_bytes -= meta.nbytes
+            meta.pinned = pinned
+            return True
+
+    def delete(self, key: CacheKey) -> bool:
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._remove(key)
+            return True
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            if max_bytes < self._pinned_bytes:
+                raise ValueError(f"cannot shrink the budget to {max_bytes} bytes below the "
+                                 f"{self._pinned_bytes} pinned bytes; unpin entries first")
+            self._max_bytes = int(max_bytes)
+            self._make_room(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._meta.clear()
+            self._children.clear()
+            self._bytes = self._pinned_bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._blocks), "bytes": self._bytes, "max_bytes": self._max_bytes,
+                    "pinned_bytes": self._pinned_bytes, "evictions": self._evictions,
+                    "tokens": sum(m.num_tokens for m in self._meta.values())}
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    # -- internals (lock held) ----------------------------------------------------------------------
+    def _remove(self, key: CacheKey) -> None:
+        block = self._blocks.pop(key)
+        meta = self._meta.pop(key)
+        self._bytes -= meta.nbytes
+        if meta.pinned:
+            self._pinned_bytes -= meta.nbytes
+        if block.parent is not None:
+            kids = self._children.get(block.parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._children[block.parent]
+
+    def _make_room(self, size: int) -> bool:
+        if self._bytes + size <= self._max_bytes:
+            return True
+        if self._pinned_bytes + size > self._max_bytes:
+            return False  # even evicting every unpinned entry would not make room
+        victims = sorted((m for m in self._meta.values() if not m.pinned), key=self._policy.priority)
+        for meta in victims:
+            if self._bytes + size <= self._max_bytes:
+                break
+            self._remove(meta.key)
+            self._evictions += 1
+        return self._bytes + size <= self._max_bytes
