@@ -46,6 +46,10 @@ class DensePayload:
     def num_tokens(self) -> int:
         return int(self.keys.shape[2])
 
+    @property
+    def num_layers(self) -> int:
+        return int(self.keys.shape[0])
+
     def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
 

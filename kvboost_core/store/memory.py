@@ -2,7 +2,8 @@
 
 The budget is never exceeded: a put that cannot fit after evicting every unpinned entry is refused
 (returns False) rather than overshooting. Pinned entries are never evicted, and pinning more than the
-budget is refused with a ValueError.
+budget is refused with a ValueError. Eviction order comes from an :class:`EvictionPolicy`
+(default :class:`ImportancePolicy`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ from collections import defaultdict
 
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock
-from kvboost_core.store.eviction import EntryMeta, EvictionPolicy, LRUPolicy
+from kvboost_core.store.eviction import EntryMeta, EvictionPolicy, ImportancePolicy
 
 
 class MemoryStore:
-    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None, *,
+                 namespace: str | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._max_bytes = int(max_bytes)
-        self._policy = policy or LRUPolicy()
+        self._policy = policy or ImportancePolicy()
+        self._namespace = namespace  # None: any namespace; else blocks of another namespace never hit
+        self._hits = 0
+        self._misses = 0
         self._blocks: dict[CacheKey, KVBlock] = {}
         self._meta: dict[CacheKey, EntryMeta] = {}
         self._children: defaultdict[CacheKey, set[CacheKey]] = defaultdict(set)
@@ -34,10 +39,13 @@ class MemoryStore:
     def get(self, key: CacheKey) -> KVBlock | None:
         with self._lock:
             block = self._blocks.get(key)
-            if block is not None:
-                meta = self._meta[key]
-                meta.hits += 1
-                meta.last_access = time.monotonic()
+            if block is None or (self._namespace is not None and block.namespace != self._namespace):
+                self._misses += 1
+                return None
+            meta = self._meta[key]
+            meta.hits += 1
+            meta.last_access = time.monotonic()
+            self._hits += 1
             return block
 
     def contains(self, key: CacheKey) -> bool:
@@ -50,20 +58,25 @@ class MemoryStore:
 
     # -- writes -------------------------------------------------------------------------------------
     def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool:
+        """Store ``block``; False (a miss, nothing raised) when it cannot fit even after evicting every
+        unpinned entry. Pinning past the budget is a caller error (ValueError)."""
+        if self._namespace is not None and block.namespace != self._namespace:
+            raise ValueError(f"block namespace {block.namespace!r} != store namespace {self._namespace!r}")
         size = block.nbytes
         with self._lock:
             old = self._meta.get(key)
             pinned = pin or (old.pinned if old else False)
-            if pinned and self._pinned_bytes - (old.nbytes if old and old.pinned else 0) + size > self._max_bytes:
-                raise ValueError(
-                    f"pinning {size} bytes would put {self._pinned_bytes + size} pinned bytes over the "
-                    f"{self._max_bytes}-byte budget; raise max_cache_bytes or unpin entries first")
-            if size > self._max_bytes:
-                return False
+            pinned_other = self._pinned_bytes - (old.nbytes if old is not None and old.pinned else 0)
+            if pinned_other + size > self._max_bytes:
+                if pinned:
+                    raise ValueError(
+                        f"pinning {size} bytes would put {pinned_other + size} pinned bytes over the "
+                        f"{self._max_bytes}-byte budget; raise max_cache_bytes or unpin entries first")
+                return False  # would not fit even after evicting every unpinned entry
             if old is not None:
                 self._remove(key)
             if not self._make_room(size):
-                return False
+                raise RuntimeError("memory store could not make room it had checked was available")
             self._blocks[key] = block
             n_layers = int(getattr(block.payload, "num_layers", 1) or 1)
             self._meta[key] = EntryMeta(key=key, nbytes=size, num_tokens=block.num_tokens,
@@ -115,6 +128,7 @@ class MemoryStore:
         with self._lock:
             return {"entries": len(self._blocks), "bytes": self._bytes, "max_bytes": self._max_bytes,
                     "pinned_bytes": self._pinned_bytes, "evictions": self._evictions,
+                    "hits": self._hits, "misses": self._misses,
                     "tokens": sum(m.num_tokens for m in self._meta.values())}
 
     @property

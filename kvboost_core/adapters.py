@@ -1,0 +1,145 @@
+"""Driving a HuggingFace decoder layer by layer, for a chosen subset of positions.
+
+This is the only model-specific module. Llama-like families (pre-norm decoder layers that call
+``cache.update(k, v, layer_idx)`` after RoPE and take ``position_embeddings`` from ``model.model.rotary_emb``)
+share one adapter; others are refused with a clear error. Everything model-specific the engine needs is here:
+embedding, rotary cos/sin, running one layer, the final norm and the LM head, and per-layer sliding windows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvboost_core.rope import RopeSupport, rope_support
+
+# Families whose decoder layers follow the Llama contract (verified by tests against full prefill).
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo", "olmo2", "smollm3")
+ABSOLUTE = ("gpt2", "opt", "bloom", "gpt_neo", "gpt_neox", "gptj", "falcon", "mpt", "gpt_bigcode")
+
+
+class ScatterCache:
+    """A duck-typed HF ``Cache`` over preallocated per-layer buffers.
+
+    ``update`` writes the new K/V of the positions being computed into their slots (any positions, not only
+    a suffix) and returns the buffers up to ``length``, so attention sees cached and fresh entries alike. An
+    optional ``on_update(layer, k_new, v_new)`` hook runs first: CacheBlend uses it to compare fresh K/V with
+    the cached entries before they are overwritten.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys = keys  # per layer (1, H_kv, T_max, D)
+        self.values = values
+        self.positions: torch.Tensor | None = None  # (n,) positions being computed this step
+        self.length = 0  # attention covers slots [0, length)
+        self.on_update: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.is_compileable = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is None:
+            raise RuntimeError("ScatterCache.update called outside a planned forward")
+        if self.on_update is not None:
+            self.on_update(layer_idx, key_states, value_states)
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf[:, :, self.positions] = key_states.to(k_buf.dtype)  # (1, H, n, D) into (1, H, T, D)
+        v_buf[:, :, self.positions] = value_states.to(v_buf.dtype)
+        return k_buf[:, :, : self.length], v_buf[:, :, : self.length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+@dataclass
+class ModelAdapter:
+    model: Any
+    inner: Any  # model.model
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    windows: list[int | None]  # sliding window per layer (None: full causal)
+    rope: RopeSupport
+    max_context: int
+
+    @classmethod
+    def for_model(cls, model: Any) -> ModelAdapter:
+        cfg = model.config
+        mtype = getattr(cfg, "model_type", "?")
+        if mtype in ABSOLUTE:
+            raise ValueError(
+                f"model type {mtype!r} uses absolute or ALiBi positions; kvboost needs a RoPE decoder "
+                f"(supported families: {', '.join(LLAMA_LIKE)}). Use the model without kvboost.")
+        if mtype not in LLAMA_LIKE:
+            raise ValueError(f"model type {mtype!r} is not supported yet; supported families: {', '.join(LLAMA_LIKE)}")
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            raise ValueError(f"{type(model).__name__} does not expose model.layers / model.rotary_emb; "
+                             "pass a *ForCausalLM model")
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager"):
+            # Our masks are explicit (any positions), which flash kernels do not take.
+            cfg._attn_implementation = "sdpa"
+        support = rope_support(cfg, inner.rotary_emb)
+        if not support.rerotatable:
+            warnings.warn(f"kvboost: {support.reason}; falling back to exact-prefix reuse only", stacklevel=3)
+        n_layers = cfg.num_hidden_layers
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cls(model=model, inner=inner, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
+                   windows=_sliding_windows(cfg, n_layers), rope=support,
+                   max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(ids.view(1, -1))  # (1, n, hidden); Gemma's scaling lives in the module
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.rotary_emb(hidden, position_ids=positions.view(1, -1))  # each (1, n, R)
+
+    def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor, cos_sin, positions: torch.Tensor,
+                  cache: ScatterCache) -> torch.Tensor:
+        out = self.inner.layers[i](hidden, attention_mask=mask, position_embeddings=cos_sin,
+                                   position_ids=positions.view(1, -1), cache=cache, use_cache=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.inner.norm(hidden)
+        logits = self.model.lm_head(h)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def mask(self, q_pos: torch.Tensor, length: int, layer: int) -> torch.Tensor:
+        """Exactly causal: a query at position p sees keys at positions <= p (and > p - window)."""
+        k_pos = torch.arange(length, device=q_pos.device)
+        allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
+        window = self.windows[layer]
+        if window is not None:
+            allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
+        allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)
+        if self.model.config._attn_implementation == "eager":
+            neg = torch.finfo(self.dtype).min
+            return torch.zeros(allowed.shape, dtype=self.dtype, device=q_pos.device).masked_fill(~allowed, neg)
+        return allowed
+
+
+def _sliding_windows(cfg: Any, n_layers: int) -> list[int | None]:
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None:
+        return [None] * n_layers
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * n_layers

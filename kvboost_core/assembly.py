@@ -1,0 +1,179 @@
+"""Planning which prompt positions come from the cache, and placing that KV into the assembled buffers.
+
+Lookup order: the longest exact prefix first (prefix keys chained from the root; the last matching chunk may
+match only partly), then content hits for cacheable segments anywhere after it. Every hit is verified token
+by token against the request; a mismatch is a miss, never a wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvboost_core.keys import CacheKey, Fingerprint, content_key, prefix_key, root_key
+from kvboost_core.rope import delta_cos_sin, rerotate
+from kvboost_core.segments import TokenizedSegment
+from kvboost_core.store.base import KVBlock, KVStore
+
+FRESH, EXACT, APPROX = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    start: int  # prompt positions [start, end)
+    end: int
+    segment: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """``length`` tokens of ``block`` from ``src`` go to prompt position ``dst``."""
+
+    block: KVBlock
+    src: int
+    dst: int
+    length: int
+    exact: bool
+
+    @property
+    def delta(self) -> int:
+        return self.dst - (self.block.base_position + self.src)
+
+
+@dataclass(slots=True)
+class Plan:
+    token_ids: list[int]
+    chunks: list[Chunk]
+    placements: list[Placement] = field(default_factory=list)
+    status: list[int] = field(default_factory=list)  # per position: FRESH, EXACT or APPROX
+    exact_len: int = 0  # positions [0, exact_len) are an exact prefix
+    hits_exact: int = 0  # tokens
+    hits_content: int = 0
+    misses: int = 0
+
+    @property
+    def seams(self) -> list[int]:
+        """Start positions of re-placed (approximate) runs: where a document met new neighbours."""
+        return [p.dst for p in self.placements if not p.exact]
+
+
+def plan_chunks(segments: Sequence[TokenizedSegment], spans_of: Callable[[Sequence[int]], list[tuple[int, int]]]
+                ) -> list[Chunk]:
+    chunks = []
+    for si, seg in enumerate(segments):
+        for a, b in spans_of(seg.token_ids):
+            chunks.append(Chunk(seg.start + a, seg.start + b, si))
+    return chunks
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """Maximal [a, b) runs of True."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], *, namespace: str,
+           fingerprint: Fingerprint, spans_of: Callable[[Sequence[int]], list[tuple[int, int]]],
+           sink_tokens: int, allow_approx: bool) -> Plan:
+    ids = [t for seg in segments for t in seg.token_ids]
+    total = len(ids)
+    plan = Plan(token_ids=ids, chunks=list(chunks), status=[FRESH] * total)
+
+    # 1) exact prefix through the prefix chain
+    parent = root_key(namespace, fingerprint)
+    covered = 0
+    for ch in chunks:
+        want = ids[ch.start:ch.end]
+        block = store.get(prefix_key(parent, want))
+        if (block is not None and block.kind == "prefix" and block.base_position == ch.start
+                and list(block.token_ids) == want):
+            plan.placements.append(Placement(block, 0, ch.start, len(want), exact=True))
+            covered = ch.end
+            parent = prefix_key(parent, want)
+            continue
+        # partial: a stored child of the same parent that shares a leading run with the request
+        best, best_n = None, 0
+        for child in store.children(parent):
+            cand = store.get(child)
+            if cand is None or cand.kind != "prefix" or cand.base_position != ch.start or cand.parent != parent:
+                continue
+            n = _common_prefix(cand.token_ids, ids[ch.start:])
+            if n > best_n:
+                best, best_n = cand, n
+        if best is not None and best_n > 0:
+            plan.placements.append(Placement(best, 0, ch.start, best_n, exact=True))
+            covered = ch.start + best_n
+        break
+    plan.exact_len = covered
+    for p in range(covered):
+        plan.status[p] = EXACT
+    plan.hits_exact = covered
+
+    # 2) content hits for cacheable segments after the exact prefix
+    floor = max(covered, sink_tokens)
+    for seg in segments:
+        if not seg.cacheable or seg.end <= floor or not allow_approx:
+            continue
+        ref = seg.source_ids if seg.source_ids is not None else seg.token_ids
+        d = seg.source_offset if seg.source_ids is not None else 0
+        for ra, rb in spans_of(ref):
+            lo, hi = max(ra - d, 0), min(rb - d, len(seg.token_ids))  # segment indices this chunk covers
+            if lo >= hi:
+                continue
+            block = store.get(content_key(namespace, fingerprint, ref[ra:rb]))
+            if block is None or list(block.token_ids) != list(ref[ra:rb]):
+                continue
+            usable = [seg.token_ids[i] == ref[i + d] and seg.start + i >= floor for i in range(lo, hi)]
+            for a, b in _runs(usable):
+                i0 = lo + a
+                plan.placements.append(Placement(block, i0 + d - ra, seg.start + i0, b - a, exact=False))
+                for p in range(seg.start + i0, seg.start + lo + b):
+                    plan.status[p] = APPROX
+                plan.hits_content += b - a
+    plan.misses = total - plan.hits_exact - plan.hits_content
+    return plan
+
+
+def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rotary_emb,
+          load: Callable[[KVBlock], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every placement's K/V into the per-layer buffers (1, H, T, D), re-rotating keys that moved."""
+    dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for pl in plan.placements:
+        k, v = dense.get(id(pl.block)) or dense.setdefault(id(pl.block), load(pl.block))  # (L, H, n, D)
+        k = k[:, :, pl.src:pl.src + pl.length]
+        v = v[:, :, pl.src:pl.src + pl.length]
+        if pl.delta != 0:
+            deltas = torch.full((pl.length,), pl.delta, dtype=torch.long, device=k.device)
+            cos, sin = delta_cos_sin(rotary_emb, deltas)  # (n, R)
+            k = rerotate(k, cos, sin)
+        for layer in range(len(keys)):
+            keys[layer][0, :, pl.dst:pl.dst + pl.length] = k[layer]
+            values[layer][0, :, pl.dst:pl.dst + pl.length] = v[layer]
+
+
+def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[int],
+                      chunks: Sequence[Chunk]) -> list[tuple[CacheKey, CacheKey]]:
+    """(parent, key) of every chunk's prefix key, in order."""
+    out, parent = [], root_key(namespace, fingerprint)
+    for ch in chunks:
+        key = prefix_key(parent, ids[ch.start:ch.end])
+        out.append((parent, key))
+        parent = key
+    return out

@@ -1,0 +1,90 @@
+"""Sampling, stop strings and incremental detokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def create(cls, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               stop: str | Sequence[str] | None = None, seed: int | None = None) -> SamplingParams:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        else:
+            stops = tuple(stop)
+        if not all(isinstance(s, str) and s for s in stops):
+            raise TypeError("stop must be a non-empty str or a list of non-empty str")
+        return cls(max_new_tokens, float(temperature), float(top_p), stops, seed)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0 (no division by zero); otherwise temperature + nucleus sampling."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (V,)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p (always at least the top token).
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+class TextStream:
+    """Turns generated ids into text pieces, holding back what might still become a stop string or an
+    incomplete multi-byte character, and cutting the text at the first stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
+        self._tok = tokenizer
+        self._stops = stops
+        self._ids: list[int] = []
+        self._emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids, skip_special_tokens=True)
+        for s in self._stops:
+            at = text.find(s)
+            if at != -1:
+                self.stopped = True
+                text = text[:at]
+        self.text = text
+        safe = len(text)
+        if not self.stopped:
+            if text.endswith("\ufffd"):
+                safe = len(text) - 1  # an incomplete UTF-8 sequence: wait for the next token
+            for s in self._stops:  # hold back a tail that is a prefix of a stop string
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        safe = min(safe, len(text) - k)
+                        break
+        piece = text[self._emitted:safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        return piece
+
+    def flush(self) -> str:
+        piece = self.text[self._emitted:]
+        self._emitted = len(self.text)
+        return piece

@@ -1,0 +1,341 @@
+"""KVEngine: warm documents, then prefill and generate with their KV reused at any position.
+
+Data flows one way: text → segments → tokens → chunks/keys → store lookups → assembled cache (placed and
+re-rotated) → repair (a compute schedule) → logits → decode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvboost_core.adapters import ModelAdapter, ScatterCache
+from kvboost_core.assembly import APPROX, EXACT, FRESH, Plan, chunk_prefix_keys, lookup, place, plan_chunks
+from kvboost_core.chunking import boundary_predicate, chunk_spans
+from kvboost_core.config import EngineConfig, validate_repair
+from kvboost_core.decode import SamplingParams, TextStream, sample
+from kvboost_core.forward import Schedule, decode_step, run_forward
+from kvboost_core.keys import content_key, model_fingerprint
+from kvboost_core.repair import RepairSpec, build_schedule
+from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, WarmResult
+from kvboost_core.segments import Segment, TokenizedSegment, lead_token_ids, normalize_prompt, tokenize_segments
+from kvboost_core.store import DensePayload, KVBlock
+from kvboost_core.store.factory import build_store
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _resolve_dtype(dtype: Any, device: str) -> torch.dtype:
+    if dtype is None:
+        # fp32 is the fast dtype on CPUs without bf16 matrix units; GPUs want bf16.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+class KVEngine:
+    """Position-independent KV reuse around one HuggingFace causal LM."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = config.with_(**overrides)
+        self.config = config
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.adapter = ModelAdapter.for_model(model)
+        self.fingerprint = model_fingerprint(model, tokenizer)
+        self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
+                                 namespace=config.namespace)
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
+        self._lead = lead_token_ids(tokenizer)
+        self._warm_prefix = self._resolve_warm_prefix(config.warm_prefix)
+        self._is_boundary = boundary_predicate(tokenizer)
+        self._counters = Counters()
+        self._eos = self._eos_ids()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, device: str | None = None, dtype: Any = None,
+                        model_kwargs: dict | None = None, **config_kwargs: Any) -> KVEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = _resolve_dtype(dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa",
+                                                     **(model_kwargs or {}))
+        return cls(model.to(device), tokenizer, **config_kwargs)
+
+    def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
+        if spec is None:
+            if self._lead:
+                return tuple(self._lead)
+            eos = self.tokenizer.eos_token_id
+            return (eos,) if isinstance(eos, int) else ()
+        if isinstance(spec, str):
+            return tuple(self._encode(spec))
+        if isinstance(spec, Sequence):
+            return tuple(int(t) for t in spec)
+        raise TypeError("warm_prefix must be None, a str or a list of token ids")
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.tokenizer, self.model.config):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        return chunk_spans(ids, self.config.chunk_size, self.config.boundary_window, self._is_boundary)
+
+    def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
+                     check_layer: int | None) -> RepairSpec:
+        c = self.config
+        spec = RepairSpec(repair=c.repair if repair is None else repair,
+                          recompute_ratio=c.recompute_ratio if recompute_ratio is None else recompute_ratio,
+                          check_layer=c.check_layer if check_layer is None else check_layer,
+                          select=c.select if select is None else select, overlap_k=c.overlap_k)
+        validate_repair(spec.repair, spec.recompute_ratio, spec.select)
+        return spec
+
+    # ------------------------------------------------------------------ warming
+    def warm(self, docs: str | Segment | Sequence[str | Segment]) -> WarmResult:
+        """Store the KV of each document's chunks, computed after the warm prefix (never as a sequence start,
+        so a document's first tokens do not become a second attention sink)."""
+        t0 = time.perf_counter()
+        segments = normalize_prompt(docs)
+        warmed = already = chunks = tokens = nbytes = 0
+        doc_ids: list[list[int]] = []
+        for seg in segments:
+            ids = list(seg.token_ids) if seg.token_ids is not None else self._encode(seg.text or "")
+            doc_ids.append(ids)
+            if not ids:
+                continue
+            spans = self._spans(ids)
+            keys = [content_key(self.config.namespace, self.fingerprint, ids[a:b]) for a, b in spans]
+            if all(self.store.contains(k) for k in keys):
+                already += 1
+                continue
+            prefix = list(self._warm_prefix)
+            full = prefix + ids
+            self._check_context(len(full), 0)
+            cache = self._new_cache(len(full))
+            ids_t = torch.tensor(full, device=self.adapter.device)
+            positions = torch.arange(len(full), device=ids_t.device)  # the lead-in is computed, not stored
+            run_forward(self.adapter, ids_t, cache, Schedule(base=positions, candidates=positions[:0]), len(full))
+            for (a, b), key in zip(spans, keys):
+                block = self._block(cache, ids[a:b], len(prefix) + a, kind="content", parent=None)
+                if self.store.put(key, block):
+                    nbytes += block.nbytes
+                chunks += 1
+            warmed += 1
+            tokens += len(ids)
+        self._counters.add(warmed_tokens=tokens)
+        return WarmResult(documents=len(segments), warmed=warmed, already_warm=already, chunks=chunks,
+                          tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids)
+
+    def _block(self, cache: ScatterCache | AssembledCache, ids: Sequence[int], start: int, *, kind: str,
+               parent: Any) -> KVBlock:
+        end = start + len(ids)
+        k = torch.stack([kb[0, :, start:end] for kb in cache.keys]).clone()  # (L, H, n, D)
+        v = torch.stack([vb[0, :, start:end] for vb in cache.values]).clone()
+        payload: Any = DensePayload(k, v)
+        if self.config.kv_bits in (4, 8):
+            from kvboost_core.quant import quantize_payload
+
+            payload = quantize_payload(payload, self.config.kv_bits)
+        return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
+                       parent=parent)
+
+    # ------------------------------------------------------------------ prefill
+    def _new_cache(self, capacity: int) -> ScatterCache:
+        a = self.adapter
+        shape = (1, a.num_kv_heads, capacity, a.head_dim)
+        # empty, not zeros: every slot below `length` is either placed or computed before it is read.
+        keys = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
+        values = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
+        return ScatterCache(keys, values)
+
+    def _check_context(self, n_prompt: int, n_new: int) -> None:
+        ctx = self.adapter.max_context
+        if ctx and n_prompt > ctx:
+            raise ValueError(f"the prompt has {n_prompt} tokens but the model's context is {ctx} tokens; "
+                             "shorten the prompt or retrieve fewer documents (nothing is truncated silently)")
+
+    def tokenize(self, prompt: Any, add_special_tokens: bool | None = None) -> list[TokenizedSegment]:
+        segments = normalize_prompt(prompt)
+        use_lead = self.config.add_special_tokens if add_special_tokens is None else add_special_tokens
+        lead = self._lead if use_lead else ()
+        with self._tok_lock:
+            return tokenize_segments(self.tokenizer, segments, lead)
+
+    def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
+                 t0: float) -> tuple[PrefillResult, Plan, ScatterCache]:
+        segs = self.tokenize(prompt, add_special_tokens)
+        t_tok = time.perf_counter()
+        total = sum(len(s.token_ids) for s in segs)
+        if total == 0:
+            raise ValueError("the prompt is empty after tokenization; pass non-empty text")
+        self._check_context(total, n_new)
+        chunks = plan_chunks(segs, self._spans)
+        plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
+                      spans_of=self._spans, sink_tokens=self.config.sink_tokens,
+                      allow_approx=self.adapter.rope.rerotatable)
+        t_lookup = time.perf_counter()
+        ctx = self.adapter.max_context or (total + n_new)
+        cache = self._new_cache(max(total, min(total + n_new, ctx)))
+        a = self.adapter
+        place(plan, cache.keys, cache.values, a.inner.rotary_emb,
+              load=lambda b: b.payload.to_dense(a.dtype, a.device))
+        t_place = time.perf_counter()
+        schedule = build_schedule(plan, spec, a.num_layers, a.device)
+        ids_t = torch.tensor(plan.token_ids, device=a.device)
+        hidden, trace = run_forward(a, ids_t, cache, schedule, total)
+        logits = a.logits(hidden)[0, -1].float()
+        t_fwd = time.perf_counter()
+        final = schedule.base if trace.selected is None else torch.unique(torch.cat((schedule.base, trace.selected)))
+        stats = self._prefill_stats(plan, final, spec, trace.tokens_per_layer)
+        stats.update(tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok, assemble_s=t_place - t_lookup,
+                     forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
+        self._counters.add(hits_exact=plan.hits_exact, hits_content=plan.hits_content, misses=plan.misses,
+                           prefills=1)
+        result = PrefillResult(token_ids=list(plan.token_ids), last_logits=logits,
+                               cache=AssembledCache(cache.keys, cache.values, total), stats=stats)
+        return result, plan, cache
+
+    @staticmethod
+    def _prefill_stats(plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]) -> dict[str, Any]:
+        status = torch.tensor(plan.status, dtype=torch.int8)
+        in_final = torch.zeros(len(plan.status), dtype=torch.bool)
+        in_final[final.cpu()] = True
+        total = len(plan.status)
+        reused_exact = int(((status == EXACT) & ~in_final).sum())
+        reused_approx = int(((status == APPROX) & ~in_final).sum())
+        computed = int((status == FRESH).sum())
+        recomputed = total - reused_exact - reused_approx - computed
+        return {"prompt_tokens": total, "reused_exact": reused_exact, "reused_approx": reused_approx,
+                "recomputed": recomputed, "computed": computed,
+                "reuse_ratio": (reused_exact + reused_approx) / total, "repair": spec.repair,
+                "recompute_ratio": spec.recompute_ratio, "select": spec.select, "tokens_per_layer": per_layer,
+                "hits_exact": plan.hits_exact, "hits_content": plan.hits_content, "misses": plan.misses}
+
+    def _store_prefix(self, plan: Plan, cache: ScatterCache, spec: RepairSpec, enabled: bool | None) -> None:
+        if not (self.config.store_prefix if enabled is None else enabled):
+            return
+        approx = [i for i, s in enumerate(plan.status) if s == APPROX]
+        frontier = len(plan.status) if spec.repair == "full" or not approx else approx[0]
+        full_hits = {pl.dst for pl in plan.placements if pl.exact and pl.length == pl.block.num_tokens}
+        for ch, (parent, key) in zip(plan.chunks, chunk_prefix_keys(self.config.namespace, self.fingerprint,
+                                                                     plan.token_ids, plan.chunks)):
+            if ch.end <= plan.exact_len and ch.start in full_hits:
+                continue  # stored already: it was the hit
+            if ch.end > frontier and not self.config.store_repaired:
+                break
+            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind="prefix", parent=parent)
+            self.store.put(key, block)
+
+    def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
+                select: str | None = None, check_layer: int | None = None,
+                add_special_tokens: bool | None = None, store_prefix: bool | None = None) -> PrefillResult:
+        """Assemble the prompt's KV from the cache, repair it, and return the next-token logits."""
+        t0 = time.perf_counter()
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer)
+        result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
+        self._store_prefix(plan, cache, spec, store_prefix)
+        return result
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> Iterator[str]:
+        """Yield text pieces as tokens are produced."""
+        for piece in self._run(prompt, SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed),
+                               holder=None, **kw):
+            if piece:
+                yield piece
+
+    def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationResult:
+        holder: dict[str, GenerationResult] = {}
+        for _ in self._run(prompt, SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed),
+                           holder=holder, **kw):
+            pass
+        return holder["result"]
+
+    def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, *, repair: str | None = None,
+             recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
+             add_special_tokens: bool | None = None, store_prefix: bool | None = None) -> Iterator[str]:
+        t0 = time.perf_counter()
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer)
+        pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
+        token = sample(pre.last_logits, params, generator)
+        ttft = time.perf_counter() - t0
+        self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
+
+        capacity = cache.keys[0].shape[2]
+        all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
+        all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)
+        text = TextStream(self.tokenizer, params.stop)
+        generated: list[int] = []
+        pos = len(pre.token_ids)
+        finish = "length"
+        while True:
+            generated.append(token)
+            if token in self._eos:
+                finish = "eos"
+                break
+            yield text.push(token)
+            if text.stopped:
+                finish = "stop"
+                break
+            if len(generated) >= params.max_new_tokens or pos >= capacity:
+                finish = "length"
+                break
+            all_ids[pos] = token
+            logits = decode_step(self.adapter, all_ids, pos, cache)
+            pos += 1
+            token = sample(logits.float(), params, generator)
+        yield text.flush()
+        if holder is not None:
+            stats = dict(pre.stats, ttft_s=ttft, finish_reason=finish)
+            holder["result"] = GenerationResult(
+                text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
+                total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
+                stats=stats)
+
+    # ------------------------------------------------------------------ reference & introspection
+    @torch.inference_mode()
+    def full_prefill_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits of a plain HF full prefill of ``token_ids`` (the fidelity reference)."""
+        ids = torch.tensor([list(token_ids)], device=self.adapter.device)
+        return self.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.store.stats())
+        c = self._counters.snapshot()
+        return {"entries": s.get("entries", 0), "tokens": s.get("tokens", 0), "bytes": s.get("bytes", 0),
+                "evictions": s.get("evictions", 0), "hits_exact": c["hits_exact"],
+                "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
+                "warmed_tokens": c["warmed_tokens"], "store": s}
+
+    def clear(self) -> None:
+        self.store.clear()

@@ -1,0 +1,118 @@
+"""Prompts as segments, and their tokenization.
+
+Each segment is tokenized on its own and the ids are concatenated, so a document's ids are the same in
+every prompt it appears in. That is what makes chunk keys stable across prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from kvboost_core.keys import CacheKey
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A piece of a prompt: ``text`` or ``token_ids`` (exactly one).
+
+    ``cacheable=True`` marks a document whose KV may be stored and reused at any position.
+    ``source_ids``/``source_offset`` (advanced, used by the RAG layer) say that this segment's tokens are a
+    run of a warmed document's tokens: token ``i`` of the segment corresponds to ``source_ids[i + source_offset]``.
+    The engine reuses the document's cached KV at every position where the ids are equal and computes the rest.
+    """
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    cacheable: bool = False
+    source_ids: Sequence[int] | None = None
+    source_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a Segment needs exactly one of text= or token_ids=")
+        if self.text is not None and not isinstance(self.text, str):
+            raise TypeError(f"Segment.text must be a str, got {type(self.text).__name__}")
+        if self.token_ids is not None:
+            if isinstance(self.token_ids, (str, bytes)):
+                raise TypeError("Segment.token_ids must be a sequence of ints; pass text= for a string")
+            ids = tuple(self.token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise TypeError("Segment.token_ids must hold non-negative ints")
+            object.__setattr__(self, "token_ids", ids)
+        if self.source_ids is not None:
+            object.__setattr__(self, "source_ids", tuple(int(t) for t in self.source_ids))
+
+
+Prompt = Union[str, Segment, Sequence[Union[str, Segment]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedSegment:
+    token_ids: tuple[int, ...]
+    start: int  # position of the first token in the prompt
+    cacheable: bool
+    source_ids: tuple[int, ...] | None = None
+    source_offset: int = 0
+    is_lead: bool = False  # the special tokens (BOS) the engine put in front
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+def normalize_prompt(prompt: Any) -> list[Segment]:
+    """Accept a str, a Segment, or a sequence of them; raise TypeError/ValueError that say what to pass."""
+    if isinstance(prompt, str):
+        segs = [Segment(text=prompt)]
+    elif isinstance(prompt, Segment):
+        segs = [prompt]
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        segs = []
+        for i, item in enumerate(prompt):
+            if isinstance(item, str):
+                segs.append(Segment(text=item))
+            elif isinstance(item, Segment):
+                segs.append(item)
+            else:
+                raise TypeError(f"prompt item {i} is a {type(item).__name__}; pass str or kvboost_core.Segment")
+    else:
+        raise TypeError(f"prompt must be a str, a Segment or a list of them, got {type(prompt).__name__}")
+    if not segs or all((s.text == "" if s.text is not None else len(s.token_ids or ()) == 0) for s in segs):
+        raise ValueError("the prompt is empty; pass at least one non-empty str or Segment")
+    return segs
+
+
+def lead_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The special tokens the tokenizer puts *in front* of a text (BOS for Llama, nothing for Qwen)."""
+    probe = "kvboost"
+    with_special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    for cut in range(len(with_special) + 1):
+        if with_special[cut:cut + len(plain)] == plain:
+            return tuple(with_special[:cut])
+    return ()
+
+
+def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[int]) -> list[TokenizedSegment]:
+    """Tokenize each segment on its own (no special tokens), with ``lead`` as a segment of its own in front."""
+    out: list[TokenizedSegment] = []
+    pos = 0
+    if lead:
+        out.append(TokenizedSegment(tuple(lead), 0, cacheable=False, is_lead=True))
+        pos = len(lead)
+    for seg in segments:
+        if seg.token_ids is not None:
+            ids = tuple(seg.token_ids)
+        else:
+            ids = tuple(tokenizer(seg.text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            continue
+        out.append(TokenizedSegment(ids, pos, seg.cacheable, seg.source_ids, seg.source_offset))
+        pos += len(ids)
+    return out
+
+
+__all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "lead_token_ids", "normalize_prompt",
+           "tokenize_segments"]

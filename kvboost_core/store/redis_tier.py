@@ -1,0 +1,222 @@
+"""Shared tier on Redis: blocks as safetensors bytes (same format as the disk tier), visible to every process.
+
+Keys: ``kvboost:{namespace}:{fingerprint}:{key hex}``; the children of a parent live in a SET at
+``kvboost:{namespace}:{fingerprint}:children:{parent hex}``. Both take the optional TTL.
+
+Redis being down or slow must never take the engine down: every operation catches connection errors and
+timeouts (``socket_timeout`` 0.5 s by default), answers a miss / False / no-op, and warns once per outage.
+After a failure the tier stays "down" for ``retry_after_s`` so that each request does not pay the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvboost_core.keys import CacheKey
+from kvboost_core.store.base import KVBlock
+from kvboost_core.store.serialize import CorruptEntry, dumps, loads
+
+logger = logging.getLogger("kvboost")
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as e:  # an optional extra
+        raise ImportError("the Redis tier needs redis-py: pip install kvboost-rag[redis]") from e
+    return redis
+
+
+def split_ttl(url: str) -> tuple[str, float | None]:
+    """``redis://h:p/0?ttl=3600`` -> (``redis://h:p/0``, 3600.0): ttl is ours, not a redis-py option."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query)
+    ttl = next((float(v) for k, v in query if k == "ttl"), None)
+    rest = urlencode([(k, v) for k, v in query if k != "ttl"])
+    return urlunsplit(parts._replace(query=rest)), ttl
+
+
+class RedisStore:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, namespace: str, fingerprint: str,
+                 ttl_s: float | None = None, socket_timeout: float = 0.5, retry_after_s: float = 2.0,
+                 client: Any = None) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if not namespace or not fingerprint:
+            raise ValueError("RedisStore needs a namespace and a fingerprint (both are part of every key)")
+        redis = _import_redis()
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._client = client if client is not None else redis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        self._url = url
+        self._namespace = namespace
+        self._fingerprint = fingerprint
+        self._ttl_ms = int(ttl_s * 1000) if ttl_s is not None else None
+        self._prefix = f"kvboost:{namespace}:{fingerprint}:"
+        self._retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._warned = False
+        self._lock = threading.Lock()  # guards the counters and the outage state; redis-py's pool is safe
+        self._counters = {"hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "puts": 0}
+
+    # -- outage handling -----------------------------------------------------------------------------------
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, err: BaseException) -> None:
+        with self._lock:
+            self._counters["errors"] += 1
+            self._down_until = time.monotonic() + self._retry_after_s
+            first = not self._warned
+            self._warned = True
+        if first:
+            msg = f"kvboost redis tier at {self._url} unavailable ({op}: {err!r}); serving misses until it is back"
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _recovered(self) -> None:
+        if self._warned:
+            with self._lock:
+                was, self._warned = self._warned, False
+            if was:
+                logger.info("kvboost redis tier at %s is reachable again", self._url)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _k(self, key: CacheKey) -> str:
+        return self._prefix + key.hex()
+
+    def _kids(self, parent: CacheKey) -> str:
+        return f"{self._prefix}children:{parent.hex()}"
+
+    # -- KVStore -------------------------------------------------------------------------------------------
+    def get(self, key: CacheKey) -> KVBlock | None:
+        if not self._available():
+            self._count("misses")
+            return None
+        try:
+            data = self._client.get(self._k(key))
+        except self._errors as e:
+            self._failed("get", e)
+            self._count("misses")
+            return None
+        self._recovered()
+        if data is None:
+            self._count("misses")
+            return None
+        try:
+            block = loads(bytes(data), key=key, fingerprint=self._fingerprint)
+        except CorruptEntry as e:
+            logger.warning("kvboost redis tier: dropped corrupt entry %s: %s", key.hex(), e)
+            self._count("corrupt")
+            self._count("misses")
+            self.delete(key)
+            return None
+        if block.namespace != self._namespace:
+            self._count("misses")
+            return None
+        self._count("hits")
+        return block
+
+    def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool:
+        """Store ``block`` (``pin`` is ignored: Redis memory is managed by the server's maxmemory policy)."""
+        if block.namespace != self._namespace:
+            raise ValueError(f"block namespace {block.namespace!r} != store namespace {self._namespace!r}")
+        if block.fingerprint != self._fingerprint:
+            raise ValueError("block fingerprint does not match the Redis store's fingerprint")
+        if not self._available():
+            return False
+        data = dumps(key, block)
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(self._k(key), data, px=self._ttl_ms)
+            if block.parent is not None:
+                pipe.sadd(self._kids(block.parent), key.hex())
+                if self._ttl_ms is not None:
+                    pipe.pexpire(self._kids(block.parent), self._ttl_ms)
+            pipe.execute()
+        except self._errors as e:
+            self._failed("put", e)
+            return False
+        self._recovered()
+        self._count("puts")
+        return True
+
+    def contains(self, key: CacheKey) -> bool:
+        if not self._available():
+            return False
+        try:
+            found = bool(self._client.exists(self._k(key)))
+        except self._errors as e:
+            self._failed("contains", e)
+            return False
+        self._recovered()
+        return found
+
+    def delete(self, key: CacheKey) -> bool:
+        if not self._available():
+            return False
+        try:
+            # The parent's SET is cleaned lazily by children(): finding the parent would cost a read.
+            removed = bool(self._client.delete(self._k(key)))
+        except self._errors as e:
+            self._failed("delete", e)
+            return False
+        self._recovered()
+        return removed
+
+    def children(self, parent: CacheKey) -> list[CacheKey]:
+        if not self._available():
+            return []
+        try:
+            members = sorted(m.decode() if isinstance(m, bytes) else m
+                             for m in self._client.smembers(self._kids(parent)))
+            if not members:
+                return []
+            pipe = self._client.pipeline(transaction=False)
+            for m in members:
+                pipe.exists(self._prefix + m)
+            alive = pipe.execute()
+            dead = [m for m, a in zip(members, alive, strict=True) if not a]
+            if dead:  # expired or deleted children: drop them from the SET
+                self._client.srem(self._kids(parent), *dead)
+        except self._errors as e:
+            self._failed("children", e)
+            return []
+        self._recovered()
+        return [CacheKey(bytes.fromhex(m)) for m, a in zip(members, alive, strict=True) if a]
+
+    def clear(self) -> None:
+        """Delete this namespace+fingerprint's keys (never other tenants' or other models')."""
+        if not self._available():
+            return
+        try:
+            batch: list[bytes] = []
+            for k in self._client.scan_iter(match=self._prefix + "*", count=500):
+                batch.append(k)
+                if len(batch) >= 500:
+                    self._client.delete(*batch)
+                    batch.clear()
+            if batch:
+                self._client.delete(*batch)
+        except self._errors as e:
+            self._failed("clear", e)
+            return
+        self._recovered()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._counters, "available": int(self._available())}
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except self._errors:
+            pass
