@@ -186,6 +186,17 @@ class KVEngine:
         with self._tok_lock:
             return tokenize_segments(self.tokenizer, segments, lead)
 
+    def tokenize_ids(self, prompt: Any, add_special_tokens: bool | None = None) -> list[int]:
+        """The token ids the model sees for ``prompt`` (segments concatenated, lead tokens included)."""
+        return [t for seg in self.tokenize(prompt, add_special_tokens) for t in seg.token_ids]
+
+    def verify(self, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
+               max_new_tokens: int = 16, **repair_kw: Any):
+        """Fidelity of each repair strategy against a full prefill; see :mod:`kvboost_core.fidelity`."""
+        from kvboost_core.fidelity import verify
+
+        return verify(self, prompts, repairs, max_new_tokens, **repair_kw)
+
     def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
                  t0: float) -> tuple[PrefillResult, Plan, ScatterCache]:
         segs = self.tokenize(prompt, add_special_tokens)
@@ -207,8 +218,9 @@ class KVEngine:
         t_place = time.perf_counter()
         schedule = build_schedule(plan, spec, a.num_layers, a.device)
         ids_t = torch.tensor(plan.token_ids, device=a.device)
-        hidden, trace = run_forward(a, ids_t, cache, schedule, total)
-        logits = a.logits(hidden)[0, -1].float()
+        with torch.inference_mode():
+            hidden, trace = run_forward(a, ids_t, cache, schedule, total)
+            logits = a.logits(hidden)[0, -1].float()
         t_fwd = time.perf_counter()
         final = schedule.base if trace.selected is None else torch.unique(torch.cat((schedule.base, trace.selected)))
         stats = self._prefill_stats(plan, final, spec, trace.tokens_per_layer)

@@ -114,4 +114,4 @@ def decode_step(adapter: ModelAdapter, all_ids: torch.Tensor, position: int, cac
     """Run the token at ``all_ids[position]``, attending to slots [0, position]. Returns logits (vocab,)."""
     pos = torch.tensor([position], device=all_ids.device)
     hidden, _ = run_forward(adapter, all_ids, cache, Schedule(base=pos, candidates=pos[:0]), position + 1)
-    return adapter.logits(hidden)[0, -1]
+    return adapter.logits(hidden)[0, -1]  # inside inference_mode (decorator): no autograd graph

@@ -118,3 +118,19 @@ STORY_DOCS = [
     "he gave each of them a pretty one.",
 ]
 STORY_CUES = [" So", " Then", " She", " He", " One day", " The end", " They", " After that"]
+
+
+_REPORT_LINES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """Tests append measured figures here; they are printed in the terminal summary of every run."""
+    return _REPORT_LINES
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT_LINES:
+        terminalreporter.section("kvboost measured figures")
+        for line in _REPORT_LINES:
+            terminalreporter.write_line(line)

@@ -1,0 +1,130 @@
+"""Fidelity harness: every reuse strategy measured against a full prefill of the same token ids.
+
+``KVEngine.verify`` (and the CLI, tests and benchmarks) use :func:`verify`. For each prompt and strategy it
+reports max |Δlogit| and KL(full || reuse) of the next-token distribution, first-token top-1 agreement, the
+greedy continuation exact-match rate, the reuse ratio, the share of tokens recomputed, and TTFT as a ratio to
+a full prefill timed side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(P_ref || P) of two next-token distributions, in nats."""
+    lp = torch.log_softmax(ref_logits.float(), dim=-1)
+    lq = torch.log_softmax(logits.float(), dim=-1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def compare_logits(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+    return {"max_abs_diff": float((ref_logits.float() - logits.float()).abs().max()),
+            "kl": kl_divergence(ref_logits, logits),
+            "top1_agree": float(int(torch.argmax(ref_logits)) == int(torch.argmax(logits)))}
+
+
+@dataclass(slots=True)
+class PromptFidelity:
+    prompt: int
+    repair: str
+    max_abs_diff: float
+    kl: float
+    top1_agree: float
+    greedy_match: float  # share of the greedy continuation equal to the full-prefill continuation
+    reuse_ratio: float
+    recomputed_share: float
+    ttft_ratio: float  # reuse TTFT / full-prefill TTFT
+
+
+@dataclass(slots=True)
+class FidelityReport:
+    rows: list[PromptFidelity] = field(default_factory=list)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for repair in dict.fromkeys(r.repair for r in self.rows):
+            rows = [r for r in self.rows if r.repair == repair]
+            out[repair] = {
+                "prompts": len(rows),
+                "max_abs_diff": max(r.max_abs_diff for r in rows),
+                "mean_kl": statistics.fmean(r.kl for r in rows),
+                "top1_agree": statistics.fmean(r.top1_agree for r in rows),
+                "greedy_match": statistics.fmean(r.greedy_match for r in rows),
+                "reuse_ratio": statistics.fmean(r.reuse_ratio for r in rows),
+                "recomputed_share": statistics.fmean(r.recomputed_share for r in rows),
+                "ttft_ratio": statistics.median(r.ttft_ratio for r in rows),
+            }
+        return out
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps({"summary": self.summary(), "rows": [asdict(r) for r in self.rows]}, **kw)
+
+    def table(self) -> str:
+        head = (f"{'repair':<12}{'prompts':>8}{'max|Δlogit|':>13}{'mean KL':>11}{'top-1':>8}{'greedy':>8}"
+                f"{'reuse':>8}{'recomp':>8}{'TTFT×':>8}")
+        lines = [head, "-" * len(head)]
+        for repair, s in self.summary().items():
+            lines.append(f"{repair:<12}{s['prompts']:>8}{s['max_abs_diff']:>13.3g}{s['mean_kl']:>11.4f}"
+                         f"{s['top1_agree']:>8.1%}{s['greedy_match']:>8.1%}{s['reuse_ratio']:>8.1%}"
+                         f"{s['recomputed_share']:>8.1%}{s['ttft_ratio']:>8.2f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@torch.inference_mode()
+def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int], float]:
+    """Full-prefill greedy continuation through HF's own forward, and the timed prefill (TTFT) of it."""
+    model = engine.model
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([list(ids)], device=engine.adapter.device), use_cache=True,
+                logits_to_keep=1)
+    tok = int(torch.argmax(out.logits[0, -1]))
+    ttft = time.perf_counter() - t0
+    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    toks = [tok]
+    for _ in range(n - 1):
+        out = model(input_ids=torch.tensor([[tok]], device=engine.adapter.device), cache=cache, use_cache=True)
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        tok = int(torch.argmax(out.logits[0, -1]))
+        toks.append(tok)
+    return toks, ttft
+
+
+def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
+           max_new_tokens: int = 16, **repair_kw: Any) -> FidelityReport:
+    """Compare each strategy with a full prefill of the same ids. Nothing is stored as a side effect, so the
+    strategies do not feed each other exact hits."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    report = FidelityReport()
+    for i, prompt in enumerate(prompts):
+        ids = engine.tokenize_ids(prompt)
+        ref_logits = engine.full_prefill_logits(ids)
+        ref_tokens, ref_ttft = _greedy_reference(engine, ids, max_new_tokens)
+        for repair in repairs:
+            res = engine.generate(prompt, max_new_tokens=max_new_tokens, repair=repair, store_prefix=False,
+                                  **repair_kw)
+            pre = engine.prefill(prompt, repair=repair, store_prefix=False, **repair_kw)
+            cmp = compare_logits(ref_logits, pre.last_logits)
+            got = res.token_ids[: len(ref_tokens)]
+            match = sum(1 for a, b in zip(got, ref_tokens) if a == b) / len(ref_tokens)
+            # exact-match rate of the continuation up to the first divergence
+            first_div = next((j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), len(got))
+            s = res.stats
+            total = s["prompt_tokens"]
+            report.rows.append(PromptFidelity(
+                prompt=i, repair=repair, max_abs_diff=cmp["max_abs_diff"], kl=cmp["kl"],
+                top1_agree=cmp["top1_agree"], greedy_match=first_div / len(ref_tokens) if match < 1 else 1.0,
+                reuse_ratio=s["reuse_ratio"], recomputed_share=s["recomputed"] / total,
+                ttft_ratio=res.ttft_s / max(ref_ttft, 1e-9)))
+    return report

@@ -1,0 +1,27 @@
+"""Small shared helpers for the engine tests (not fixtures)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_core import Segment
+from kvboost_core.engine import KVEngine
+from kvboost_core.fidelity import compare_logits
+
+
+def engine_for(model, tokenizer, **kw) -> KVEngine:
+    defaults = dict(chunk_size=16, boundary_window=4, sink_tokens=4)
+    return KVEngine(model, tokenizer, **{**defaults, **kw})
+
+
+@torch.inference_mode()
+def full_logits(model, ids) -> torch.Tensor:
+    return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+
+
+def docs_prompt(docs, question: str, head: str | None = None) -> list[Segment]:
+    segs = [Segment(text=head)] if head else []
+    return segs + [Segment(text=d, cacheable=True) for d in docs] + [Segment(text=question)]
+
+
+__all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits"]

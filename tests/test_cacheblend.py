@@ -1,0 +1,82 @@
+"""CacheBlend: exact causal masking, real skipped work, and ratio 1.0 == full prefill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import CORPUS
+from helpers import docs_prompt, engine_for, full_logits
+
+from kvboost_core.adapters import ModelAdapter
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_llama, tokenizer):
+    e = engine_for(tiny_llama, tokenizer, sink_tokens=2)
+    e.warm(CORPUS)
+    return e
+
+
+def test_mask_is_exactly_causal(tiny_llama):
+    adapter = ModelAdapter.for_model(tiny_llama)
+    q = torch.tensor([2, 5, 9])
+    m = adapter.mask(q, 12, 0)[0, 0]  # (3, 12)
+    for i, p in enumerate(q.tolist()):
+        assert m[i, : p + 1].all() and not m[i, p + 1:].any()
+
+
+def _kv_before(res, end):
+    return [(k[0, :, :end].clone(), v[0, :, :end].clone()) for k, v in zip(res.cache.keys, res.cache.values)]
+
+
+def test_recomputed_tokens_ignore_later_tokens(eng, monkeypatch):
+    docs = [CORPUS[2], CORPUS[0], CORPUS[4]]
+    a_prompt = docs_prompt(docs, " Where was Alice born?")
+    b_prompt = docs_prompt(docs, " Who repairs bicycles in town?")
+    q_start = len(eng.tokenize_ids(docs_prompt(docs, "x"))) - 1
+    kw = dict(repair="cacheblend", recompute_ratio=0.3, select="deviation", store_prefix=False)
+    a, b = eng.prefill(a_prompt, **kw), eng.prefill(b_prompt, **kw)
+    assert a.stats["recomputed"] > 0
+    for (ka, va), (kb, vb) in zip(_kv_before(a, q_start), _kv_before(b, q_start)):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+    # The same check catches a leaking (bidirectional) mask: it can fail.
+    def leaky(self, q_pos, length, layer):
+        return torch.ones(1, 1, q_pos.numel(), length, dtype=torch.bool)
+
+    monkeypatch.setattr(ModelAdapter, "mask", leaky)
+    a2, b2 = eng.prefill(a_prompt, **kw), eng.prefill(b_prompt, **kw)
+    diffs = [not torch.equal(ka, kb) for (ka, _), (kb, _) in zip(_kv_before(a2, q_start), _kv_before(b2, q_start))]
+    assert any(diffs)
+
+
+def test_layers_above_check_see_only_selected_and_fresh(eng):
+    prompt = docs_prompt([CORPUS[5], CORPUS[1], CORPUS[3], CORPUS[2]], " Why do birds sing?")
+    res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=0.15, check_layer=1, store_prefix=False)
+    s = res.stats
+    reused = s["hits_content"]
+    fresh = s["computed"]
+    per_layer = s["tokens_per_layer"]
+    assert per_layer[0] == per_layer[1] == reused + fresh  # up to the check layer: every re-placed token
+    limit = math.ceil(0.15 * reused) + fresh + 1  # +1: the last prompt token is always computed
+    assert all(n <= limit for n in per_layer[2:]), (per_layer, limit)
+    assert per_layer[2] < 0.5 * per_layer[0]
+
+
+@pytest.mark.parametrize("select", ["deviation", "value", "key", "recency", "deviation_recency"])
+def test_ratio_one_equals_full_prefill(eng, tiny_llama, select):
+    prompt = docs_prompt([CORPUS[3], CORPUS[1]], " Where?")
+    res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=1.0, select=select, store_prefix=False)
+    assert (full_logits(tiny_llama, res.token_ids) - res.last_logits).abs().max().item() < 1e-4
+
+
+def test_repaired_prefill_is_stored_as_exact_prefix(eng):
+    prompt = docs_prompt([CORPUS[6], CORPUS[0]], " Answer:")
+    first = eng.prefill(prompt, repair="cacheblend")
+    again = eng.prefill(prompt, repair="cacheblend")
+    assert first.stats["reused_exact"] == 0
+    assert again.stats["reused_exact"] >= again.stats["prompt_tokens"] - 1
+    # the repeat gives the repaired answer exactly (same KV, now an exact hit)
+    assert torch.allclose(first.last_logits, again.last_logits, atol=1e-4)
