@@ -41,6 +41,7 @@ class EngineConfig:
     overlap_k: int = 16
     sink_tokens: int = 32
     kv_bits: int | None = None
+    kv_group_size: int = 32  # KIVI group; 128 trades a little accuracy for fewer scale bytes
     max_cache_bytes: int = 2 * 1024**3
     namespace: str = "default"
     store: Any = "memory"
@@ -63,7 +64,9 @@ class EngineConfig:
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
         if self.kv_bits not in (None, 4, 8, 16):
-            raise ValueError(f"kv_bits must be None, 8 or 4, got {self.kv_bits!r}")
+            raise ValueError(f"kv_bits must be None (model dtype), 16 (bf16), 8 or 4, got {self.kv_bits!r}")
+        if not isinstance(self.kv_group_size, int) or self.kv_group_size < 1:
+            raise ValueError(f"kv_group_size must be a positive int, got {self.kv_group_size!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError("namespace must be a non-empty str")
         object.__setattr__(self, "max_cache_bytes", parse_bytes(self.max_cache_bytes))

@@ -20,9 +20,16 @@ from kvboost_core.config import EngineConfig, validate_repair
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint
+from kvboost_core.quant import maybe_quantize
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, WarmResult
-from kvboost_core.segments import Segment, TokenizedSegment, lead_token_ids, normalize_prompt, tokenize_segments
+from kvboost_core.segments import (
+    Segment,
+    TokenizedSegment,
+    lead_token_ids,
+    normalize_prompt,
+    tokenize_segments,
+)
 from kvboost_core.store import DensePayload, KVBlock
 from kvboost_core.store.factory import build_store
 
@@ -74,7 +81,8 @@ class KVEngine:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa",
                                                      **(model_kwargs or {}))
-        return cls(model.to(device), tokenizer, **config_kwargs)
+        model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+        return cls(model, tokenizer, **config_kwargs)
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
         if spec is None:
@@ -156,11 +164,10 @@ class KVEngine:
         end = start + len(ids)
         k = torch.stack([kb[0, :, start:end] for kb in cache.keys]).clone()  # (L, H, n, D)
         v = torch.stack([vb[0, :, start:end] for vb in cache.values]).clone()
-        payload: Any = DensePayload(k, v)
-        if self.config.kv_bits in (4, 8):
-            from kvboost_core.quant import quantize_payload
-
-            payload = quantize_payload(payload, self.config.kv_bits)
+        # The chunk at the sequence start holds the attention sink (BOS), whose outlier keys would widen every
+        # channel's quantization range; it is a single chunk per prefix chain, so it stays dense.
+        bits = None if start == 0 else self.config.kv_bits
+        payload = maybe_quantize(DensePayload(k, v), bits, self.config.kv_group_size)
         return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
                        parent=parent)
 

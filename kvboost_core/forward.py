@@ -64,7 +64,8 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     cache.length = length
 
     scores: dict[str, torch.Tensor] = {}
-    if check is not None and schedule.scorer is not None:
+    scorer = schedule.scorer
+    if check is not None and scorer is not None:
         cand_idx = torch.searchsorted(positions, schedule.candidates)  # where candidates sit in `positions`
 
         def on_update(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -74,7 +75,7 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
             cached_v = cache.values[layer][0, :, schedule.candidates].float()
             fresh_k = k_new[0, :, cand_idx].float()
             fresh_v = v_new[0, :, cand_idx].float()
-            scores["s"] = schedule.scorer(fresh_k, cached_k, fresh_v, cached_v, schedule.candidates)
+            scores["s"] = scorer(fresh_k, cached_k, fresh_v, cached_v, schedule.candidates)
 
         cache.on_update = on_update
 

@@ -94,14 +94,24 @@ def _quantize_groups_last(x: torch.Tensor, bits: int, group_size: int) -> tuple[
     return codes, s16, mn16
 
 
-def _dequantize_groups_last(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
-                            dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`_quantize_groups_last`: unpacked codes (..., m) -> values (..., m) in ``dtype``."""
-    m = codes.shape[-1]
-    # (..., ng) -> (..., ng*G) -> (..., m): each code looks up its group's scale/min
-    s = scale.float().repeat_interleave(group_size, dim=-1)[..., :m]
-    z = mn.float().repeat_interleave(group_size, dim=-1)[..., :m]
-    return (codes.float() * s + z).to(dtype)
+def _dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
+                       axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of the quantizers: unpacked codes, groups of ``group_size`` along ``axis`` (-1 or -2), and the
+    per-group scale/min (that axis has ``ceil(m / G)`` entries) -> values in ``dtype``, codes' shape."""
+    m = codes.shape[axis]
+    ng = scale.shape[axis]
+    pad = ng * group_size - m
+    c = codes.float()
+    if pad:  # padded codes are dropped below; their value does not matter
+        c = torch.nn.functional.pad(c, (0, pad) if axis == -1 else (0, 0, 0, pad))
+    if axis == -1:  # (..., m) -> (..., ng, G) against (..., ng, 1)
+        g = c.view(*c.shape[:-1], ng, group_size)
+        out = g * scale.float().unsqueeze(-1) + mn.float().unsqueeze(-1)
+        return out.reshape(*c.shape)[..., :m].to(dtype)
+    # axis -2: (..., m, D) -> (..., ng, G, D) against (..., ng, 1, D)
+    g = c.view(*c.shape[:-2], ng, group_size, c.shape[-1])
+    out = g * scale.float().unsqueeze(-2) + mn.float().unsqueeze(-2)
+    return out.reshape(*c.shape)[..., :m, :].to(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -134,9 +144,7 @@ def dequantize_k(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bit
     _check_bits(bits, group_size)
     if bits == 4:
         codes = unpack_int4(codes, head_dim)
-    out = _dequantize_groups_last(codes.transpose(-1, -2), scale.transpose(-1, -2), mn.transpose(-1, -2),
-                                  group_size, dtype)
-    return out.transpose(-1, -2).contiguous()
+    return _dequantize_groups(codes, scale, mn, group_size, -2, dtype).contiguous()
 
 
 def quantize_v(v: torch.Tensor, bits: int, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,7 +163,7 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bit
     _check_bits(bits, group_size)
     if bits == 4:
         codes = unpack_int4(codes, head_dim)
-    return _dequantize_groups_last(codes, scale, mn, group_size, dtype)
+    return _dequantize_groups(codes, scale, mn, group_size, -1, dtype).contiguous()
 
 
 # -- payload ------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from kvboost_core.keys import CacheKey
 
@@ -45,7 +45,7 @@ class Segment:
             object.__setattr__(self, "source_ids", tuple(int(t) for t in self.source_ids))
 
 
-Prompt = Union[str, Segment, Sequence[Union[str, Segment]]]
+Prompt = str | Segment | Sequence[str | Segment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,8 @@ def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[in
             ids = tuple(tokenizer(seg.text, add_special_tokens=False)["input_ids"])
         if not ids:
             continue
-        out.append(TokenizedSegment(ids, pos, seg.cacheable, seg.source_ids, seg.source_offset))
+        src = tuple(seg.source_ids) if seg.source_ids is not None else None
+        out.append(TokenizedSegment(ids, pos, seg.cacheable, src, seg.source_offset))
         pos += len(ids)
     return out
 

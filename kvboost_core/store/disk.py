@@ -146,10 +146,10 @@ class DiskStore:
                 self._counters["misses"] += 1
                 return None
             entry = self._index.get(key)
-            if entry is None:  # written by another process since our scan
+            if entry is None and self._same_file(path, ino):  # another process wrote it since our scan
                 self._index_add(key, _DiskEntry(len(data), time.time(), block.parent))
                 self._evict_for(0, keep=key)
-            else:
+            elif entry is not None:
                 entry.last_access = time.time()
             self._counters["hits"] += 1
         return block
@@ -269,7 +269,8 @@ class DiskStore:
 
     def _evict_for(self, size: int, *, replacing: CacheKey | None = None, keep: CacheKey | None = None) -> None:
         """Delete least recently used files until ``size`` more bytes fit (lock held)."""
-        old = self._index.get(replacing).nbytes if replacing is not None and replacing in self._index else 0
+        prev = self._index.get(replacing) if replacing is not None else None
+        old = prev.nbytes if prev is not None else 0
         if self._bytes - old + size <= self._max_bytes:
             return
         for key in sorted(self._index, key=lambda k: self._index[k].last_access):
@@ -284,6 +285,14 @@ class DiskStore:
             except OSError:
                 pass
 
+    @staticmethod
+    def _same_file(path: Path, ino: int) -> bool:
+        """Is ``path`` still the file we read? (Not deleted or replaced meanwhile.)"""
+        try:
+            return os.stat(path).st_ino == ino
+        except OSError:
+            return False
+
     def _discard(self, key: CacheKey, path: Path, ino: int | None, reason: str) -> None:
         """Delete a bad entry — unless it was replaced by a fresh file since we read it (``ino`` differs)."""
         with self._lock:
@@ -291,7 +300,7 @@ class DiskStore:
             self._counters["misses"] += 1
             self._index_drop(key)
             try:
-                if ino is None or os.stat(path).st_ino == ino:
+                if ino is None or self._same_file(path, ino):
                     path.unlink()
             except OSError:
                 pass

@@ -68,7 +68,7 @@ class MemoryStore:
             pinned = pin or (old.pinned if old else False)
             pinned_other = self._pinned_bytes - (old.nbytes if old is not None and old.pinned else 0)
             if pinned_other + size > self._max_bytes:
-                if pinned:
+                if pin:  # an explicit request to pin past the budget; an inherited pin is just a miss
                     raise ValueError(
                         f"pinning {size} bytes would put {pinned_other + size} pinned bytes over the "
                         f"{self._max_bytes}-byte budget; raise max_cache_bytes or unpin entries first")

@@ -1,0 +1,140 @@
+"""What KVBoostLLM and ChatKVBoost share: pydantic fields, the adapter they wrap, per-call options.
+
+No engine logic lives here: every call goes to ``kvboost_rag.KVBoostRAG``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from kvboost_core.engine import KVEngine
+from kvboost_rag import KVBoostRAG, WarmReport
+
+# Per-call keyword arguments passed straight to KVBoostRAG.generate / stream.
+_CALL_KEYS = ("kv_documents", "repair", "recompute_ratio", "select", "check_layer", "store_prefix")
+
+
+class KVBoostFields(BaseModel):
+    """Fields and helpers common to the LLM and the chat model."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, protected_namespaces=())
+
+    engine: Any = Field(default=None, exclude=True,
+                        description="The kvboost_core KVEngine to run (or a KVBoostRAG to share its registry). "
+                                    "Use from_model_id(...) to load one from a HuggingFace id or path.")
+    model_id: str | None = Field(default=None, description="HuggingFace model id or local path (informational "
+                                                           "when engine= is given; reported as model_name).")
+    max_tokens: int = Field(default=256, ge=1, description="Maximum number of new tokens per call.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    seed: int | None = Field(default=None, description="Seed for sampling (temperature > 0).")
+    stop: list[str] | None = Field(default=None, description="Stop strings; generation ends before the first one.")
+    repair: str | None = Field(default=None, description="KV repair for reused documents: none, selective, "
+                                                         "cacheblend or full (None: the engine's default).")
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0,
+                                          description="CacheBlend recompute ratio (None: the engine's default).")
+    transparent: bool = Field(default=True, description="Find warmed documents inside flat prompts (no prompt "
+                                                        "changes; kv_documents=[...] per call is explicit mode).")
+    preserve_order: bool = Field(default=False, description="Explicit mode: keep the given document order instead "
+                                                            "of a stable order sorted by document id.")
+
+    _rag: KVBoostRAG | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _build_adapter(self) -> KVBoostFields:
+        engine = self.engine
+        if isinstance(engine, KVBoostRAG):
+            self._rag, self.engine = engine, engine.engine
+        elif isinstance(engine, KVEngine):
+            self._rag = KVBoostRAG(engine, transparent=self.transparent, preserve_order=self.preserve_order)
+        elif engine is None:
+            raise ValueError(f"{type(self).__name__} needs engine=KVEngine(model, tokenizer); or build one with "
+                             f"{type(self).__name__}.from_model_id('org/model')")
+        else:
+            raise TypeError(f"engine must be a kvboost_core KVEngine or a kvboost_rag KVBoostRAG, got "
+                            f"{type(engine).__name__}")
+        return self
+
+    @classmethod
+    def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
+                      model_kwargs: dict | None = None, **kwargs: Any) -> Any:
+        """Load ``model_id`` (hub id or local path) like HuggingFacePipeline.from_model_id. Keyword arguments
+        that are fields of this class configure it; the rest (chunk_size, repair defaults, store, ...) go to
+        the engine."""
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields}
+        engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, model_kwargs=model_kwargs,
+                                          **kwargs)
+        return cls(engine=engine, model_id=model_id, **fields)
+
+    # ------------------------------------------------------------------ shared helpers
+    @property
+    def rag(self) -> KVBoostRAG:
+        assert self._rag is not None  # set by the validator
+        return self._rag
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return self.rag.last_stats
+
+    @property
+    def model_name(self) -> str:
+        cfg = self.rag.engine.model.config
+        return self.model_id or getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", "kvboost")
+
+    def warm_documents(self, docs: Any, *, batch_size: int = 8, progress: bool = True) -> WarmReport:
+        """Warm and register documents so prompts containing them reuse their KV."""
+        return self.rag.warm_documents(docs, batch_size=batch_size, progress=progress)
+
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here)."""
+        stops = list(self.stop or []) + list(stop or [])
+        opts: dict[str, Any] = {
+            "max_new_tokens": int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))),
+            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "top_p": float(kwargs.get("top_p", self.top_p)),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": stops or None,
+        }
+        for key in ("repair", "recompute_ratio"):
+            value = kwargs.get(key, getattr(self, key))
+            if value is not None:
+                opts[key] = value
+        for key in _CALL_KEYS:
+            if key in kwargs and key not in opts:
+                opts[key] = kwargs[key]
+        return opts
+
+    def _params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "repair": self.repair, "recompute_ratio": self.recompute_ratio,
+                "transparent": self.transparent}
+
+
+async def aiter_in_thread(make_iter: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """Drive a blocking iterator in a worker thread and yield its items on the event loop, so streaming a
+    CPU/GPU-bound generation never blocks the loop."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    def worker() -> None:
+        try:
+            for item in make_iter():
+                loop.call_soon_threadsafe(queue.put_nowait, (False, item))
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            loop.call_soon_threadsafe(queue.put_nowait, (True, exc))
+            return
+        loop.call_soon_threadsafe(queue.put_nowait, (True, None))
+
+    done = loop.run_in_executor(None, worker)
+    while True:
+        finished, item = await queue.get()
+        if finished:
+            await done
+            if item is not None:
+                raise item
+            return
+        yield item

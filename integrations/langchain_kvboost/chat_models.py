@@ -1,0 +1,157 @@
+"""ChatKVBoost: a LangChain chat model over kvboost_rag.KVBoostRAG.
+
+Messages are rendered with the model's own chat template. Multi-turn history costs about the new message:
+each call's prompt is stored under prefix keys by the engine, so the next turn (the same text plus the reply
+and a new message) is an exact prefix hit up to where it differs. Warmed documents inside messages are
+found and reused as in KVBoostLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables.config import run_in_executor
+from pydantic import Field
+
+from kvboost_core.results import GenerationResult
+from langchain_kvboost._base import KVBoostFields, aiter_in_thread
+from langchain_kvboost.llms import _info
+
+_ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system",
+                           ToolMessage: "tool"}
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages → the ``[{"role", "content"}]`` list chat templates take."""
+    out = []
+    for m in messages:
+        if isinstance(m, ChatMessage):
+            role = m.role
+        else:
+            role = next((r for cls, r in _ROLES.items() if isinstance(m, cls)), None)
+            if role is None:
+                raise TypeError(f"cannot map a {type(m).__name__} to a chat role; use HumanMessage, AIMessage, "
+                                "SystemMessage, ToolMessage or ChatMessage(role=...)")
+        out.append({"role": role, "content": m.text if isinstance(m.text, str) else str(m.content)})
+    return out
+
+
+def _keeper(done: dict[str, Any]) -> Any:
+    def keep(result: GenerationResult, stats: dict[str, Any]) -> None:
+        done["result"], done["stats"] = result, stats
+
+    return keep
+
+
+class ChatKVBoost(KVBoostFields, BaseChatModel):
+    """Chat model with KV reuse of conversation history and warmed documents.
+
+    Example:
+        ```python
+        chat = ChatKVBoost.from_model_id("Qwen/Qwen2.5-0.5B-Instruct", max_tokens=128)
+        chat.invoke([("system", "Be brief."), ("human", "Hi")])
+        chat.last_stats["reused_exact"]
+        ```
+    """
+
+    streaming: bool = Field(default=False, description="Stream by default when invoked (LangChain convention).")
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvboost-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvboost"
+        params["ls_model_name"] = kwargs.get("model", self.model_name)
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return self.rag.token_ids(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        """Tokens of the rendered chat prompt, as the model will see it."""
+        prompt = self.rag.chat_prompt(to_chat_dicts(messages))
+        return len(self.rag.encode(prompt, self.rag.chat_add_special_tokens(prompt)))
+
+    # ------------------------------------------------------------------ calls
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        prompt = self.rag.chat_prompt(to_chat_dicts(messages))
+        opts = self._call_options(stop, kwargs)
+        opts["add_special_tokens"] = self.rag.chat_add_special_tokens(prompt)
+        return prompt, opts
+
+    @staticmethod
+    def _usage(result: GenerationResult | None) -> UsageMetadata:
+        n_in = len(result.prompt_token_ids) if result else 0
+        n_out = len(result.token_ids) if result else 0
+        return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+
+    def _metadata(self, stats: dict[str, Any]) -> dict[str, Any]:
+        return {"model_name": self.model_name, "finish_reason": stats.get("finish_reason"),
+                "kvboost": _info(stats)}
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        prompt, opts = self._prepare(messages, stop, kwargs)
+        result = self.rag.generate(prompt, **opts)
+        # The call's own result and stats (not last_stats): several calls may run at once (abatch).
+        stats = result.stats
+        message = AIMessage(content=result.text, usage_metadata=self._usage(result),
+                            response_metadata=self._metadata(stats))
+        return ChatResult(generations=[ChatGeneration(message=message)],
+                          llm_output={"model_name": self.model_name})
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return await run_in_executor(None, self._generate, messages, stop,
+                                     run_manager.get_sync() if run_manager else None, **kwargs)
+
+    def _final_chunk(self, done: dict[str, Any]) -> ChatGenerationChunk:
+        # Usage and model name go on the last chunk only, so aggregating chunks does not double count them.
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content="", usage_metadata=self._usage(done.get("result")),
+            response_metadata=self._metadata(done.get("stats", {})), chunk_position="last"))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None,
+                **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        prompt, opts = self._prepare(messages, stop, kwargs)
+        done: dict[str, Any] = {}
+        for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._final_chunk(done)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        prompt, opts = self._prepare(messages, stop, kwargs)
+        done: dict[str, Any] = {}
+        async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._final_chunk(done)

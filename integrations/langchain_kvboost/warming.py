@@ -1,0 +1,44 @@
+"""Warming documents as part of LangChain indexing pipelines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.documents import BaseDocumentTransformer, Document
+from langchain_core.runnables.config import run_in_executor
+from langchain_core.vectorstores import VectorStore
+
+from kvboost_rag import KVBoostRAG, WarmReport
+
+
+def _warmer(target: Any) -> Any:
+    """Anything with ``warm_documents``: KVBoostLLM, ChatKVBoost or a KVBoostRAG."""
+    if isinstance(target, KVBoostRAG) or hasattr(target, "warm_documents"):
+        return target
+    raise TypeError(f"expected a KVBoostLLM, ChatKVBoost or KVBoostRAG to warm with, got {type(target).__name__}")
+
+
+class KVWarmTransformer(BaseDocumentTransformer):
+    """Warms documents passing through (e.g. after a text splitter) and returns them unchanged."""
+
+    def __init__(self, llm: Any, *, batch_size: int = 8, progress: bool = False) -> None:
+        self.llm = _warmer(llm)
+        self.batch_size = batch_size
+        self.progress = progress
+        self.last_report: WarmReport | None = None
+
+    def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
+        self.last_report = self.llm.warm_documents(list(documents), batch_size=self.batch_size,
+                                                   progress=self.progress)
+        return documents
+
+    async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
+        return await run_in_executor(None, self.transform_documents, documents, **kwargs)
+
+
+def add_documents_warmed(vectorstore: VectorStore, docs: Sequence[Document], llm: Any, *, batch_size: int = 8,
+                         progress: bool = False, **kwargs: Any) -> list[str]:
+    """``vectorstore.add_documents(docs)`` after warming the same documents in ``llm``; returns the ids."""
+    _warmer(llm).warm_documents(list(docs), batch_size=batch_size, progress=progress)
+    return vectorstore.add_documents(list(docs), **kwargs)

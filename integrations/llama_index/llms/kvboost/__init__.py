@@ -1,0 +1,11 @@
+"""LlamaIndex integration of kvboost-rag: ``from llama_index.llms.kvboost import KVBoostLLM``."""
+
+from llama_index.llms.kvboost.base import (
+    KVBoostLLM,
+    KVWarmer,
+    StableOrderPostprocessor,
+    registry_key,
+    render_node,
+)
+
+__all__ = ["KVBoostLLM", "KVWarmer", "StableOrderPostprocessor", "registry_key", "render_node"]

@@ -1,0 +1,217 @@
+"""KVBoostRAG: the one object framework integrations wrap.
+
+Two ways to tell the engine where documents are:
+
+- transparent (default): the chain hands us a flat prompt string. We tokenize it exactly as a plain HF
+  wrapper would (``tokenizer(prompt)``), find registered documents in the string, and cut the prompt's own
+  ids into plain and document segments. The ids the model sees never change (zero prompt drift); only where
+  the KV comes from does.
+- explicit: ``kv_documents=[...]`` gives the documents; they are laid out in a stable order with exact
+  boundaries, each its own cacheable segment, followed by the prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvboost_core import Segment
+from kvboost_core.decode import SamplingParams
+from kvboost_core.engine import KVEngine
+from kvboost_core.results import GenerationResult
+from kvboost_core.segments import lead_token_ids
+from kvboost_rag.documents import document_texts
+from kvboost_rag.locate import align
+from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, assemble, doc_key
+from kvboost_rag.warming import WarmReport, warm_documents
+
+
+@dataclass(slots=True)
+class PromptPlan:
+    segments: list[Segment]
+    doc_ranges: list[tuple[int, int]]  # prompt token ranges attributed to documents
+    mode: str  # "transparent", "explicit" or "plain"
+    documents: int = 0  # documents found (transparent) or given (explicit)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[str, int]:
+    """Per-prompt document accounting from the engine's counters.
+
+    Exact-prefix positions are [0, hits_exact) and are never recomputed; content hits (re-placed KV) happen
+    only inside cacheable segments, i.e. documents, and ``reused_approx`` of them were not recomputed.
+
+    - ``doc_tokens``: prompt tokens attributed to documents.
+    - ``doc_tokens_reused``: of those, served from the cache (exact prefix or re-placed document KV).
+    - ``doc_tokens_recomputed``: of the reused, recomputed by repair (all of them under ``repair="full"``,
+      about ``recompute_ratio`` under CacheBlend).
+    - ``doc_tokens_kept``: reused and used as is (``reused - recomputed``): the compute actually saved.
+    """
+    exact = int(stats.get("hits_exact", 0))
+    in_exact = sum(max(0, min(b, exact) - a) for a, b in ranges)
+    content = int(stats.get("hits_content", 0))
+    kept = int(stats.get("reused_approx", 0))
+    return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + content,
+            "doc_tokens_recomputed": content - kept, "doc_tokens_kept": in_exact + kept}
+
+
+class KVBoostRAG:
+    """Document warming, transparent/explicit document reuse and generation over one ``KVEngine``."""
+
+    def __init__(self, engine: KVEngine, *, transparent: bool = True, preserve_order: bool = False,
+                 separator: str = "\n\n") -> None:
+        if not isinstance(engine, KVEngine):
+            raise TypeError(f"engine must be a kvboost_core KVEngine, got {type(engine).__name__}; build one "
+                            "with KVEngine(model, tokenizer) or use KVBoostRAG.from_model_id(...)")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.transparent = bool(transparent)
+        self.preserve_order = bool(preserve_order)
+        self.separator = separator
+        self.registry = DocumentRegistry()
+        self.last_stats: dict[str, Any] = {}
+        self.last_result: GenerationResult | None = None
+        # Share the engine's tokenizer lock: HF fast tokenizers are not safe to call concurrently.
+        self._tok_lock = getattr(engine, "_tok_lock", None) or threading.Lock()
+        self._offsets = bool(getattr(self.tokenizer, "is_fast", False))  # slow tokenizers give no offsets
+        self._lead = tuple(lead_token_ids(self.tokenizer))
+
+    @classmethod
+    def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
+                      transparent: bool = True, preserve_order: bool = False,
+                      **engine_kwargs: Any) -> KVBoostRAG:
+        """Load a HuggingFace causal LM (a hub id or a local path) and wrap it."""
+        engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, **engine_kwargs)
+        return cls(engine, transparent=transparent, preserve_order=preserve_order)
+
+    # ------------------------------------------------------------------ tokenizer
+    def _tokenize(self, text: str, add_special_tokens: bool, offsets: bool
+                  ) -> tuple[list[int], list[tuple[int, int]] | None]:
+        with self._tok_lock:
+            if offsets and self._offsets:
+                enc = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+                return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), None
+
+    def _encode_doc(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        return self._tokenize(text, False, True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenize(text, False, False)[0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenize(text, add_special_tokens, False)[0]
+
+    def token_ids(self, text: str) -> list[int]:
+        """Ids as a plain HF wrapper computes them: ``tokenizer(text).input_ids`` (BOS included for Llama)."""
+        return self.encode(text, True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.token_ids(text))
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template or use the "
+                             "completion interface (generate/KVBoostLLM) instead")
+        with self._tok_lock:
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def chat_add_special_tokens(self, prompt: str) -> bool:
+        """Whether to add BOS when tokenizing a rendered chat prompt: not when the template wrote it already
+        (HF's apply_chat_template(tokenize=True) tokenizes without special tokens for the same reason)."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return not (isinstance(bos, str) and bos and prompt.startswith(bos))
+
+    # ------------------------------------------------------------------ warming
+    def warm_documents(self, docs: Any, *, batch_size: int = 8, progress: bool = True) -> WarmReport:
+        """Warm and register strs, LangChain Documents or LlamaIndex nodes. Idempotent."""
+        return warm_documents(self.engine, self.registry, self._encode_doc, docs, batch_size=batch_size,
+                              progress=progress)
+
+    # ------------------------------------------------------------------ prompt planning
+    def _special(self, add_special_tokens: bool | None) -> bool:
+        return self.engine.config.add_special_tokens if add_special_tokens is None else bool(add_special_tokens)
+
+    def plan(self, prompt: str, *, kv_documents: Any = None, add_special_tokens: bool | None = None
+             ) -> PromptPlan:
+        """The segments the engine will get for ``prompt`` (see the module docstring for the two modes)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}; for chat messages use "
+                            "chat_prompt(messages) first")
+        special = self._special(add_special_tokens)
+        if kv_documents is not None:
+            return self._plan_explicit(prompt, kv_documents, special)
+        return self._plan_transparent(prompt, special)
+
+    def _plan_explicit(self, prompt: str, kv_documents: Any, special: bool) -> PromptPlan:
+        docs: list[RegisteredDoc] = []
+        for text in document_texts(kv_documents):
+            reg = self.registry.by_text(text)
+            # A document never warmed still gets exact boundaries; its KV is simply computed this time.
+            docs.append(reg if reg is not None else RegisteredDoc(doc_key(text), text, tuple(self._encode(text)),
+                                                                   None))
+        asm = assemble(docs, prompt, self._encode, lead=self._lead if special else (),
+                       separator=self.separator, preserve_order=self.preserve_order)
+        return PromptPlan(asm.segments, asm.doc_ranges, "explicit", documents=len(asm.doc_ranges))
+
+    def _plan_transparent(self, prompt: str, special: bool) -> PromptPlan:
+        use = self.transparent and self._offsets and len(self.registry) > 0
+        ids, offsets = self._tokenize(prompt, special, use)
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization; pass non-empty text")
+        if not use or offsets is None:
+            return PromptPlan([Segment(token_ids=ids)], [], "plain")
+        matches = self.registry.index.find(prompt)
+        aligned = align(ids, offsets, matches, self.registry.sources([m.key for m in matches]))
+        return PromptPlan(aligned.segments, aligned.doc_ranges, "transparent", documents=len(aligned.doc_ranges),
+                          extra={"confirmations": self.registry.index.last_confirmations})
+
+    # ------------------------------------------------------------------ generation
+    def _record(self, result: GenerationResult, plan: PromptPlan) -> dict[str, Any]:
+        # Added to the result's own stats dict too, so a caller running calls concurrently can read its own.
+        stats = result.stats
+        stats["ttft_s"] = result.ttft_s
+        stats.update(doc_stats(plan.doc_ranges, stats))
+        stats.update(mode=plan.mode, documents=plan.documents, output_tokens=len(result.token_ids), **plan.extra)
+        self.last_stats = dict(stats)
+        self.last_result = result
+        return stats
+
+    def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
+                 **engine_kw: Any) -> GenerationResult:
+        """Generate a completion of ``prompt``; ``engine_kw`` (repair, recompute_ratio, store_prefix,
+        add_special_tokens, ...) go to the engine for this call."""
+        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
+                                                                                             None))
+        result = self.engine.generate(plan.segments, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **engine_kw)
+        self._record(result, plan)
+        return result
+
+    def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
+               on_result: Callable[[GenerationResult, dict[str, Any]], None] | None = None,
+               **engine_kw: Any) -> Iterator[str]:
+        """Yield text pieces; ``last_stats``/``last_result`` are set once the stream is exhausted, and
+        ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency)."""
+        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
+                                                                                             None))
+        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
+        holder: dict[str, GenerationResult] = {}
+        # The public KVEngine.stream returns no result object; _run with a holder gives the same pieces plus
+        # the GenerationResult (stats, token counts) once it finishes.
+        for piece in self.engine._run(plan.segments, params, holder=holder, add_special_tokens=False,
+                                      **engine_kw):
+            if piece:
+                yield piece
+        if "result" in holder:
+            stats = self._record(holder["result"], plan)
+            if on_result is not None:
+                on_result(holder["result"], stats)

@@ -1,0 +1,79 @@
+"""Warming documents: compute and store their KV once, and register them for transparent finding."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvboost_core import Segment
+from kvboost_rag.documents import document_texts
+from kvboost_rag.registry import DocumentRegistry, RegisteredDoc
+
+# (text) -> (ids, offsets or None), the model tokenizer with add_special_tokens=False
+Encoder = Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmReport:
+    documents: int  # documents passed (duplicates included)
+    warmed: int  # computed now
+    already_warm: int  # found in the cache: cost a lookup
+    tokens: int  # tokens computed now
+    bytes: int  # bytes added to the store
+    seconds: float
+
+
+def _batches(items: list[str], size: int) -> Iterable[list[str]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="kvboost warm", unit="doc")
+
+
+def warm_documents(engine: Any, registry: DocumentRegistry, encode: Encoder, docs: Any, *,
+                   batch_size: int = 8, progress: bool = True) -> WarmReport:
+    """Warm ``docs`` (strs, LangChain Documents, LlamaIndex nodes) in batches and register them.
+
+    Idempotent: a registered document is passed to the engine as its known ids (no re-tokenization) and the
+    engine answers from the store with a lookup; one evicted since is simply computed again."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    t0 = time.perf_counter()
+    texts = document_texts(docs)
+    unique = [t for t in dict.fromkeys(texts) if t]  # one warm per distinct non-empty text
+    warmed = already = tokens = nbytes = 0
+    bar = _progress(len(unique), progress)
+    try:
+        for batch in _batches(unique, batch_size):
+            known: list[RegisteredDoc | None] = [registry.by_text(t) for t in batch]
+            items = [Segment(token_ids=k.token_ids) if k is not None else t for k, t in zip(known, batch, strict=True)]
+            result = engine.warm(items)
+            warmed += result.warmed
+            already += result.already_warm
+            tokens += result.tokens
+            nbytes += result.bytes
+            for text, reg, ids in zip(batch, known, result.doc_token_ids, strict=True):
+                if reg is None:
+                    _register(registry, encode, text, ids)
+            if bar is not None:
+                bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    return WarmReport(documents=len(texts), warmed=warmed, already_warm=already, tokens=tokens, bytes=nbytes,
+                      seconds=time.perf_counter() - t0)
+
+
+def _register(registry: DocumentRegistry, encode: Encoder, text: str, warmed_ids: list[int]) -> None:
+    ids, offsets = encode(text)
+    if list(ids) != list(warmed_ids):
+        offsets = None  # the tokenizers disagree: keep the document for explicit mode only
+    registry.register(text, warmed_ids, offsets)

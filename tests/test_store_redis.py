@@ -1,0 +1,110 @@
+"""Redis tier against a real redis-server: cross-process hits, outages, namespaces, TTL, children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from _redis_fixture import RedisServer, redis_server, redis_url  # noqa: F401
+from test_store_disk import FP, key, make_block, same
+
+from kvboost_core.store import RedisStore, TieredStore, build_store
+from kvboost_core.store.serialize import dumps
+
+pytestmark = pytest.mark.redis
+REPO = Path(__file__).resolve().parents[1]
+
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_store_disk import FP, key, make_block
+    from kvboost_core.store import RedisStore
+    s = RedisStore({url!r}, namespace="default", fingerprint=FP)
+    for i in range({n}):
+        assert s.put(key(i), make_block(i, bits=(None, 8, 4)[i % 3], parent=key(1000)))
+""")
+
+
+def test_hit_across_processes(redis_url: str) -> None:  # noqa: F811
+    n = 12
+    code = WRITER.format(tests=str(Path(__file__).parent), url=redis_url, n=n)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    s = RedisStore(redis_url, namespace="default", fingerprint=FP)
+    for i in range(n):
+        got = s.get(key(i))
+        assert got is not None and same(got, make_block(i, bits=(None, 8, 4)[i % 3], parent=key(1000)))
+    assert sorted(s.children(key(1000))) == [key(i) for i in range(n)]
+    assert s.stats()["hits"] == n
+    assert s.delete(key(0)) and key(0) not in s.children(key(1000))  # the SET is cleaned lazily
+
+
+def test_server_stopped_mid_run_degrades_to_misses(redis_server: RedisServer) -> None:  # noqa: F811
+    s = RedisStore(redis_server.url, namespace="default", fingerprint=FP, retry_after_s=0.0)
+    assert s.put(key(1), make_block(1)) and s.get(key(1)) is not None
+    redis_server.stop()
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert s.get(key(1)) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per outage, not one per call
+        assert s.put(key(2), make_block(2)) is False
+        assert s.get(key(1)) is None and not s.contains(key(1)) and not s.delete(key(1))
+        assert s.children(key(1)) == [] and s.clear() is None
+    assert s.stats()["errors"] >= 5
+
+
+def test_server_hanging_times_out(redis_server: RedisServer) -> None:  # noqa: F811
+    s = RedisStore(redis_server.url, namespace="default", fingerprint=FP, socket_timeout=0.3)
+    assert s.put(key(1), make_block(1))
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning):
+            assert s.get(key(1)) is None
+        assert s.put(key(2), make_block(2)) is False  # down: answered at once, no second timeout
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+def test_namespace_isolation(redis_url: str) -> None:  # noqa: F811
+    a = RedisStore(redis_url, namespace="tenant-a", fingerprint=FP)
+    b = RedisStore(redis_url, namespace="tenant-b", fingerprint=FP)
+    assert a.put(key(1), make_block(1, ns="tenant-a"))
+    assert b.get(key(1)) is None and not b.contains(key(1))
+    with pytest.raises(ValueError):
+        b.put(key(2), make_block(2, ns="tenant-a"))
+    # even an entry planted under B's prefix is refused when the block says it is A's
+    b._client.set(b._k(key(3)), dumps(key(3), make_block(3, ns="tenant-a")))
+    assert b.get(key(3)) is None
+    b.clear()
+    assert a.get(key(1)) is not None  # B's clear never touches A
+    other_model = RedisStore(redis_url, namespace="tenant-a", fingerprint="cd" * 16)
+    assert other_model.get(key(1)) is None
+
+
+def test_ttl_expiry(redis_url: str) -> None:  # noqa: F811
+    s = RedisStore(redis_url, namespace="default", fingerprint=FP, ttl_s=0.4)
+    assert s.put(key(1), make_block(1, parent=key(9)))
+    assert s.get(key(1)) is not None and s.children(key(9)) == [key(1)]
+    time.sleep(0.6)
+    assert s.get(key(1)) is None and s.children(key(9)) == []
+
+
+def test_factory_builds_three_tiers(redis_url: str, tmp_path: Path) -> None:  # noqa: F811
+    store = build_store([f"{redis_url}?ttl=60", f"disk:{tmp_path}"], max_bytes=1_000_000, fingerprint=FP,
+                        namespace="default")
+    assert isinstance(store, TieredStore)
+    assert [type(t).__name__ for t in store.tiers] == ["MemoryStore", "DiskStore", "RedisStore"]
+    assert store.put(key(1), make_block(1))
+    fresh = build_store([redis_url], max_bytes=1_000_000, fingerprint=FP, namespace="default")
+    got = fresh.get(key(1))  # served by redis, promoted into the new memory tier
+    assert got is not None and fresh.stats()["redis.served"] == 1 and fresh.tiers[0].contains(key(1))
