@@ -15,7 +15,7 @@ import torch
 from kvboost_core.keys import CacheKey, Fingerprint, content_key, prefix_key, root_key
 from kvboost_core.rope import delta_cos_sin, rerotate
 from kvboost_core.segments import TokenizedSegment
-from kvboost_core.store.base import KVBlock, KVStore
+from kvboost_core.store.base import PREFIX_KINDS, KVBlock, KVStore
 
 FRESH, EXACT, APPROX = 0, 1, 2
 
@@ -48,7 +48,8 @@ class Plan:
     chunks: list[Chunk]
     placements: list[Placement] = field(default_factory=list)
     status: list[int] = field(default_factory=list)  # per position: FRESH, EXACT or APPROX
-    exact_len: int = 0  # positions [0, exact_len) are an exact prefix
+    exact_len: int = 0  # positions [0, exact_len) come from the prefix chain
+    exact_frontier: int = 0  # positions [0, exact_frontier) hold KV equal to a full prefill's
     hits_exact: int = 0  # tokens
     hits_content: int = 0
     misses: int = 0
@@ -91,10 +92,12 @@ def _runs(mask: list[bool]) -> list[tuple[int, int]]:
 
 def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], *, namespace: str,
            fingerprint: Fingerprint, spans_of: Callable[[Sequence[int]], list[tuple[int, int]]],
-           sink_tokens: int, allow_approx: bool) -> Plan:
+           sink_tokens: int, allow_approx: bool, allow_repaired: bool = True) -> Plan:
     ids = [t for seg in segments for t in seg.token_ids]
     total = len(ids)
     plan = Plan(token_ids=ids, chunks=list(chunks), status=[FRESH] * total)
+    kinds = PREFIX_KINDS if allow_repaired else ("prefix",)
+    frontier: int | None = None  # start of the first repaired (approximate) prefix hit
 
     # 1) exact prefix through the prefix chain
     parent = root_key(namespace, fingerprint)
@@ -102,9 +105,11 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
     for ch in chunks:
         want = ids[ch.start:ch.end]
         block = store.get(prefix_key(parent, want))
-        if (block is not None and block.kind == "prefix" and block.base_position == ch.start
+        if (block is not None and block.kind in kinds and block.base_position == ch.start
                 and list(block.token_ids) == want):
             plan.placements.append(Placement(block, 0, ch.start, len(want), exact=True))
+            if block.kind == "repaired" and frontier is None:
+                frontier = ch.start
             covered = ch.end
             parent = prefix_key(parent, want)
             continue
@@ -112,7 +117,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
         best, best_n = None, 0
         for child in store.children(parent):
             cand = store.get(child)
-            if cand is None or cand.kind != "prefix" or cand.base_position != ch.start or cand.parent != parent:
+            if cand is None or cand.kind not in kinds or cand.base_position != ch.start or cand.parent != parent:
                 continue
             n = _common_prefix(cand.token_ids, ids[ch.start:])
             if n > best_n:
@@ -120,8 +125,11 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
         if best is not None and best_n > 0:
             plan.placements.append(Placement(best, 0, ch.start, best_n, exact=True))
             covered = ch.start + best_n
+            if best.kind == "repaired" and frontier is None:
+                frontier = ch.start
         break
     plan.exact_len = covered
+    plan.exact_frontier = covered if frontier is None else frontier
     for p in range(covered):
         plan.status[p] = EXACT
     plan.hits_exact = covered

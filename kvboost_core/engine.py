@@ -48,6 +48,28 @@ def _resolve_dtype(dtype: Any, device: str) -> torch.dtype:
     raise ValueError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
+class GenerationStream:
+    """An iterator of text pieces; ``result`` is set when it is exhausted."""
+
+    def __init__(self, engine: KVEngine, prompt: Any, params: SamplingParams, kw: dict[str, Any]) -> None:
+        self._holder: dict[str, GenerationResult] = {}
+        self._it = engine._run(prompt, params, holder=self._holder, **kw)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                piece = next(self._it)
+            except StopIteration:
+                self.result = self._holder.get("result")
+                raise
+            if piece:
+                return piece
+
+
 class KVEngine:
     """Position-independent KV reuse around one HuggingFace causal LM."""
 
@@ -105,6 +127,11 @@ class KVEngine:
             elif isinstance(eos, (list, tuple)):
                 ids.update(int(e) for e in eos)
         return ids
+
+    @property
+    def tokenizer_lock(self) -> threading.Lock:
+        """Hold this around direct calls to ``self.tokenizer`` from other threads."""
+        return self._tok_lock
 
     def _encode(self, text: str) -> list[int]:
         with self._tok_lock:
@@ -215,7 +242,7 @@ class KVEngine:
         chunks = plan_chunks(segs, self._spans)
         plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
                       spans_of=self._spans, sink_tokens=self.config.sink_tokens,
-                      allow_approx=self.adapter.rope.rerotatable)
+                      allow_approx=self.adapter.rope.rerotatable, allow_repaired=spec.repair != "full")
         t_lookup = time.perf_counter()
         ctx = self.adapter.max_context or (total + n_new)
         cache = self._new_cache(max(total, min(total + n_new, ctx)))
@@ -258,16 +285,23 @@ class KVEngine:
     def _store_prefix(self, plan: Plan, cache: ScatterCache, spec: RepairSpec, enabled: bool | None) -> None:
         if not (self.config.store_prefix if enabled is None else enabled):
             return
-        approx = [i for i, s in enumerate(plan.status) if s == APPROX]
-        frontier = len(plan.status) if spec.repair == "full" or not approx else approx[0]
+        # KV is exact up to the first approximate position: a re-placed token that was not recomputed in
+        # every layer with an exact context, or a repaired prefix hit. Chunks past it are stored as "repaired".
+        frontier = plan.exact_frontier
+        if spec.repair == "full":
+            frontier = len(plan.status)
+        else:
+            approx = next((i for i, s in enumerate(plan.status) if s == APPROX), len(plan.status))
+            frontier = min(approx, frontier if frontier < plan.exact_len else len(plan.status))
         full_hits = {pl.dst for pl in plan.placements if pl.exact and pl.length == pl.block.num_tokens}
         for ch, (parent, key) in zip(plan.chunks, chunk_prefix_keys(self.config.namespace, self.fingerprint,
                                                                      plan.token_ids, plan.chunks)):
             if ch.end <= plan.exact_len and ch.start in full_hits:
                 continue  # stored already: it was the hit
-            if ch.end > frontier and not self.config.store_repaired:
+            kind = "prefix" if ch.end <= frontier else "repaired"
+            if kind == "repaired" and not self.config.store_repaired:
                 break
-            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind="prefix", parent=parent)
+            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind=kind, parent=parent)
             self.store.put(key, block)
 
     def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
@@ -282,12 +316,12 @@ class KVEngine:
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> Iterator[str]:
-        """Yield text pieces as tokens are produced."""
-        for piece in self._run(prompt, SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed),
-                               holder=None, **kw):
-            if piece:
-                yield piece
+               stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationStream:
+        """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
+        :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece."""
+        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
+        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"))
+        return GenerationStream(self, prompt, params, kw)
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationResult:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvboost_core import Segment
-from kvboost_core.decode import SamplingParams
 from kvboost_core.engine import KVEngine
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import lead_token_ids
@@ -74,7 +73,7 @@ class KVBoostRAG:
         self.last_stats: dict[str, Any] = {}
         self.last_result: GenerationResult | None = None
         # Share the engine's tokenizer lock: HF fast tokenizers are not safe to call concurrently.
-        self._tok_lock = getattr(engine, "_tok_lock", None) or threading.Lock()
+        self._tok_lock = getattr(engine, "tokenizer_lock", None) or threading.Lock()
         self._offsets = bool(getattr(self.tokenizer, "is_fast", False))  # slow tokenizers give no offsets
         self._lead = tuple(lead_token_ids(self.tokenizer))
 
@@ -203,15 +202,10 @@ class KVBoostRAG:
         ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency)."""
         plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
                                                                                              None))
-        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        holder: dict[str, GenerationResult] = {}
-        # The public KVEngine.stream returns no result object; _run with a holder gives the same pieces plus
-        # the GenerationResult (stats, token counts) once it finishes.
-        for piece in self.engine._run(plan.segments, params, holder=holder, add_special_tokens=False,
-                                      **engine_kw):
-            if piece:
-                yield piece
-        if "result" in holder:
-            stats = self._record(holder["result"], plan)
+        stream = self.engine.stream(plan.segments, max_new_tokens, temperature, top_p, stop, seed,
+                                    add_special_tokens=False, **engine_kw)
+        yield from stream
+        if stream.result is not None:
+            stats = self._record(stream.result, plan)
             if on_result is not None:
-                on_result(holder["result"], stats)
+                on_result(stream.result, stats)

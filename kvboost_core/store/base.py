@@ -54,10 +54,16 @@ class DensePayload:
         return self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
 
 
+KINDS = ("content", "prefix", "repaired")
+PREFIX_KINDS = ("prefix", "repaired")
+
+
 @dataclass(frozen=True, slots=True)
 class KVBlock:
-    """One cached chunk. ``kind`` is "content" (computed in a warm context, position independent key) or
-    "prefix" (computed in exactly the context named by its prefix key, reusable as is at ``base_position``)."""
+    """One cached chunk. ``kind`` is "content" (computed in a warm context, position independent key),
+    "prefix" (computed in exactly the context named by its prefix key, reusable as is at ``base_position``) or
+    "repaired" (stored under a prefix key after a repaired prefill: the same tokens and context, but KV that
+    approximates a full prefill; reused as a prefix hit except when the caller asks for ``repair="full"``)."""
 
     token_ids: tuple[int, ...]
     payload: KVPayload
@@ -68,8 +74,8 @@ class KVBlock:
     parent: CacheKey | None = None  # the parent prefix key, for kind == "prefix"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("content", "prefix"):
-            raise ValueError(f"kind must be 'content' or 'prefix', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.token_ids) != self.payload.num_tokens:
             raise ValueError(f"{len(self.token_ids)} token ids but the payload holds "
                              f"{self.payload.num_tokens} tokens")
