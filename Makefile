@@ -5,16 +5,19 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 EXTRAS := langchain,llamaindex,redis,dev
 
-.PHONY: install test demo lint bench fidelity redis-server kernels cuda-compile clean
+.PHONY: install test demo lint bench fidelity redis-server clean
+
+include csrc/Makefile.inc
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned: a bare or open-ended torch requirement would pull a multi-GB CUDA wheel.
 install: $(BIN)/python
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# no build isolation: the optional C++ extension builds against the torch installed above
+	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 
 # The shared-tier tests need a real redis-server binary (Debian package); skip the install where it exists.
 redis-server:
@@ -22,8 +25,11 @@ redis-server:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
 	  || echo "warning: could not install redis-server; redis tests will skip"; }
 
-test: install redis-server
-	$(BIN)/python -m pytest -q -ra --timeout=900 tests
+# The suite runs with the native kernels required, then the reuse-fidelity tests again on the torch fallback.
+test: install redis-server kernels
+	KVBOOST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q -ra --timeout=900 tests
+	KVBOOST_DISABLE_EXT=1 $(BIN)/python -m pytest -q --timeout=900 tests/test_engine_reuse.py \
+	  tests/test_cacheblend.py tests/test_fidelity_stories.py tests/test_quant_fidelity.py tests/test_kernels.py
 
 demo: install
 	$(BIN)/kvboost-rag demo

@@ -19,7 +19,6 @@ from kvboost_core.rope import RopeSupport, rope_support
 
 # Families whose decoder layers follow the Llama contract (verified by tests against full prefill).
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo", "olmo2", "smollm3")
-ABSOLUTE = ("gpt2", "opt", "bloom", "gpt_neo", "gpt_neox", "gptj", "falcon", "mpt", "gpt_bigcode")
 
 
 class ScatterCache:
@@ -38,6 +37,7 @@ class ScatterCache:
         self.length = 0  # attention covers slots [0, length)
         self.on_update: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.is_compileable = False
+        self.hf: Any = None  # the HF cache object on the prefix-only path
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +64,18 @@ class ModelAdapter:
     windows: list[int | None]  # sliding window per layer (None: full causal)
     rope: RopeSupport
     max_context: int
+    layerwise: bool = True  # False: prefix-only reuse through HF's own forward and cache (no re-placement)
 
     @classmethod
     def for_model(cls, model: Any) -> ModelAdapter:
         cfg = model.config
         mtype = getattr(cfg, "model_type", "?")
-        if mtype in ABSOLUTE:
-            raise ValueError(
-                f"model type {mtype!r} uses absolute or ALiBi positions; kvboost needs a RoPE decoder "
-                f"(supported families: {', '.join(LLAMA_LIKE)}). Use the model without kvboost.")
+        if getattr(cfg, "is_encoder_decoder", False) or not callable(getattr(model, "generate", None)):
+            raise ValueError(f"{type(model).__name__} is not a decoder-only causal LM; kvboost needs one "
+                             "(load it with AutoModelForCausalLM)")
         if mtype not in LLAMA_LIKE:
-            raise ValueError(f"model type {mtype!r} is not supported yet; supported families: {', '.join(LLAMA_LIKE)}")
+            return cls._prefix_only(model, f"model type {mtype!r} is not a supported RoPE family (absolute or "
+                                           f"ALiBi positions, or untested); supported: {', '.join(LLAMA_LIKE)}")
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
             raise ValueError(f"{type(model).__name__} does not expose model.layers / model.rotary_emb; "
@@ -92,6 +93,46 @@ class ModelAdapter:
         return cls(model=model, inner=inner, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                    windows=_sliding_windows(cfg, n_layers), rope=support,
                    max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0))
+
+    @classmethod
+    def _prefix_only(cls, model: Any, reason: str) -> ModelAdapter:
+        """Exact-prefix reuse through the model's own forward: correct for any causal LM whose HF cache is
+        (B, H, T, D) per layer, because an identical prefix at identical positions needs no re-rotation."""
+        warnings.warn(f"kvboost: {reason}; falling back to exact-prefix reuse only", stacklevel=3)
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        return cls(model=model, inner=None, num_layers=cfg.num_hidden_layers,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   windows=[None] * cfg.num_hidden_layers, rope=RopeSupport(False, "none", reason),
+                   max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0), layerwise=False)
+
+    @torch.inference_mode()
+    def hf_prefill(self, ids: torch.Tensor, cache: ScatterCache, reused: int) -> torch.Tensor:
+        """Prefix-only path: the first ``reused`` slots are placed; HF computes the rest with its own cache,
+        which is kept on ``cache.hf`` for decoding and copied into the buffers so chunks can be stored."""
+        from transformers import DynamicCache
+
+        hf = DynamicCache()
+        if reused:
+            for layer in range(self.num_layers):
+                hf.update(cache.keys[layer][:, :, :reused].clone(), cache.values[layer][:, :, :reused].clone(),
+                          layer)
+        out = self.model(input_ids=ids[reused:].view(1, -1), cache=hf if reused else None, use_cache=True,
+                         logits_to_keep=1)
+        hf = getattr(out, "cache", None) or out.past_key_values
+        total = ids.numel()
+        for layer in range(self.num_layers):
+            cache.keys[layer][:, :, :total] = hf.layers[layer].keys
+            cache.values[layer][:, :, :total] = hf.layers[layer].values
+        cache.hf = hf
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def hf_step(self, cache: ScatterCache, token: int) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache.hf, use_cache=True)
+        cache.hf = getattr(out, "cache", None) or out.past_key_values
+        return out.logits[0, -1]
 
     @property
     def device(self) -> torch.device:

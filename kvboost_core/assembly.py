@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvboost_core.kernels.ops import place_block
 from kvboost_core.keys import CacheKey, Fingerprint, content_key, prefix_key, root_key
-from kvboost_core.rope import delta_cos_sin, rerotate
+from kvboost_core.rope import delta_cos_sin
 from kvboost_core.segments import TokenizedSegment
 from kvboost_core.store.base import PREFIX_KINDS, KVBlock, KVStore
 
@@ -159,21 +160,16 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
     return plan
 
 
-def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rotary_emb,
-          load: Callable[[KVBlock], tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every placement's K/V into the per-layer buffers (1, H, T, D), re-rotating keys that moved."""
-    dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rotary_emb) -> None:
+    """Write every placement's K/V into the per-layer buffers (1, H, T, D), dequantizing once and re-rotating
+    keys that moved, in one fused pass per placement (native kernel when built, torch reference otherwise)."""
+    device = keys[0].device
     for pl in plan.placements:
-        k, v = dense.get(id(pl.block)) or dense.setdefault(id(pl.block), load(pl.block))  # (L, H, n, D)
-        k = k[:, :, pl.src:pl.src + pl.length]
-        v = v[:, :, pl.src:pl.src + pl.length]
+        cos = sin = None
         if pl.delta != 0:
-            deltas = torch.full((pl.length,), pl.delta, dtype=torch.long, device=k.device)
-            cos, sin = delta_cos_sin(rotary_emb, deltas)  # (n, R)
-            k = rerotate(k, cos, sin)
-        for layer in range(len(keys)):
-            keys[layer][0, :, pl.dst:pl.dst + pl.length] = k[layer]
-            values[layer][0, :, pl.dst:pl.dst + pl.length] = v[layer]
+            deltas = torch.full((pl.length,), pl.delta, dtype=torch.long, device=device)
+            cos, sin = delta_cos_sin(rotary_emb, deltas)  # (n, R) fp32
+        place_block(pl.block.payload, pl.src, pl.length, keys, values, pl.dst, cos, sin)
 
 
 def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[int],

@@ -168,6 +168,12 @@ class KVEngine:
             if all(self.store.contains(k) for k in keys):
                 already += 1
                 continue
+            if not self.adapter.layerwise:
+                # prefix-only models cannot re-place a document: store it as a prompt prefix instead
+                self.prefill([Segment(token_ids=ids)], store_prefix=True)
+                warmed += 1
+                tokens += len(ids)
+                continue
             prefix = list(self._warm_prefix)
             full = prefix + ids
             self._check_context(len(full), 0)
@@ -247,17 +253,24 @@ class KVEngine:
         ctx = self.adapter.max_context or (total + n_new)
         cache = self._new_cache(max(total, min(total + n_new, ctx)))
         a = self.adapter
-        place(plan, cache.keys, cache.values, a.inner.rotary_emb,
-              load=lambda b: b.payload.to_dense(a.dtype, a.device))
+        place(plan, cache.keys, cache.values, a.inner.rotary_emb if a.layerwise else None)
         t_place = time.perf_counter()
-        schedule = build_schedule(plan, spec, a.num_layers, a.device)
         ids_t = torch.tensor(plan.token_ids, device=a.device)
-        with torch.inference_mode():
-            hidden, trace = run_forward(a, ids_t, cache, schedule, total)
-            logits = a.logits(hidden)[0, -1].float()
+        if a.layerwise:
+            schedule = build_schedule(plan, spec, a.num_layers, a.device)
+            with torch.inference_mode():
+                hidden, trace = run_forward(a, ids_t, cache, schedule, total)
+                logits = a.logits(hidden)[0, -1].float()
+            final = schedule.base if trace.selected is None else torch.unique(torch.cat((schedule.base,
+                                                                                        trace.selected)))
+            per_layer = trace.tokens_per_layer
+        else:
+            reused = min(plan.exact_len, total - 1)  # the last token's logits are the output: compute it
+            logits = a.hf_prefill(ids_t, cache, reused).float()
+            final = torch.arange(reused, total)
+            per_layer = [total - reused] * a.num_layers
         t_fwd = time.perf_counter()
-        final = schedule.base if trace.selected is None else torch.unique(torch.cat((schedule.base, trace.selected)))
-        stats = self._prefill_stats(plan, final, spec, trace.tokens_per_layer)
+        stats = self._prefill_stats(plan, final, spec, per_layer)
         stats.update(tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok, assemble_s=t_place - t_lookup,
                      forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
         self._counters.add(hits_exact=plan.hits_exact, hits_content=plan.hits_content, misses=plan.misses,
@@ -364,7 +377,10 @@ class KVEngine:
                 finish = "length"
                 break
             all_ids[pos] = token
-            logits = decode_step(self.adapter, all_ids, pos, cache)
+            if cache.hf is not None:
+                logits = self.adapter.hf_step(cache, token)
+            else:
+                logits = decode_step(self.adapter, all_ids, pos, cache)
             pos += 1
             token = sample(logits.float(), params, generator)
         yield text.flush()

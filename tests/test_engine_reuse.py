@@ -111,3 +111,42 @@ def test_memory_budget_is_never_exceeded(tiny_llama, tokenizer):
         s = eng.stats()
         assert s["bytes"] <= 200_000
     assert eng.stats()["evictions"] > 0
+
+
+def test_absolute_position_models_fall_back_to_exact_prefix(tokenizer):
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvboost_core.engine import KVEngine
+
+    cfg = AutoConfig.for_model("gpt2", vocab_size=400, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                               bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = KVEngine(model, tokenizer, chunk_size=16, boundary_window=4)
+    assert any("exact-prefix reuse only" in str(w.message) for w in caught)
+    eng.warm(CORPUS[0])
+    prompt = docs_prompt([CORPUS[0], CORPUS[1]], " Q")
+    first = eng.prefill(prompt)
+    assert first.stats["hits_content"] == 0
+    again = eng.generate(prompt, max_new_tokens=6)
+    assert again.stats["reused_exact"] >= len(again.prompt_token_ids) - 16
+    assert (full_logits(model, first.token_ids) - first.last_logits).abs().max().item() < 1e-4
+    ids = torch.tensor([again.prompt_token_ids])
+    hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert again.token_ids == hf[: len(again.token_ids)]
+
+
+def test_non_causal_models_are_refused(tokenizer):
+    import pytest
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from kvboost_core.engine import KVEngine
+
+    cfg = AutoConfig.for_model("t5", vocab_size=400, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    with pytest.raises(ValueError, match="decoder-only causal LM"):
+        KVEngine(AutoModelForSeq2SeqLM.from_config(cfg), tokenizer)

@@ -14,7 +14,7 @@ import torch
 from kvboost_core import kernels as _k
 from kvboost_core.kernels import reference
 from kvboost_core.quant import QuantPayload
-from kvboost_core.store.base import DensePayload
+from kvboost_core.store.base import DensePayload, KVPayload
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,7 +89,7 @@ def dequant_rerotate_into(dst_k: Sequence[torch.Tensor] | torch.Tensor, dst_v: S
         reference.dequant_rerotate_into(*args)
 
 
-def place_block(payload: DensePayload | QuantPayload, src_start: int, length: int, dst_keys: list[torch.Tensor],
+def place_block(payload: KVPayload, src_start: int, length: int, dst_keys: list[torch.Tensor],
                 dst_values: list[torch.Tensor], dst_start: int, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> None:
     """One placement of ``assembly.place``: payload tokens [src_start, src_start + length) -> buffer slots

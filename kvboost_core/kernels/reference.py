@@ -64,7 +64,7 @@ def dequant_rerotate_into(dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.T
     dtype = dst_k[0].dtype
     kd, vd = _dense_slice(k, v, k_scale, k_min, v_scale, v_min, bits, group_size, head_dim, src_start, length,
                           dtype)
-    if cos is not None and cos.shape[-1] > 0:
+    if cos is not None and sin is not None and cos.shape[-1] > 0:
         kd = rerotate(kd, cos, sin)
     for layer in range(len(dst_k)):
         dst_k[layer][0, :, dst_start:dst_start + length] = kd[layer]

@@ -1,0 +1,295 @@
+"""Side-by-side TTFT benchmark: full prefill, exact-prefix caching and kvboost's reuse paths in one process.
+
+Workload A (RAG): a warmed corpus; each query takes ``n`` documents in a new order after a fixed system prompt,
+plus a fresh question. Methods run alternately on the same prompts, so drift on a shared machine hits all of
+them alike; medians and ratios against full prefill are reported. TTFT counts from the call's start and
+includes lookup, re-rotation, dequantization and repair.
+
+Workload B (chat): an 8-turn conversation; per turn, TTFT of ours against full prefill and exact-prefix caching.
+
+Run ``kvboost-rag bench --shape qwen2.5-0.5b --json out.json --plot out.png`` (``--layers`` cuts the depth for a
+quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
+    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
+}
+REUSE_METHODS = ("none", "selective", "cacheblend")
+
+
+def build_model(shape: str, layers: int | None, seed: int = 0) -> tuple[Any, Any]:
+    """A random-weight model of a named shape (fp32) and a small tokenizer trained on the fly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvboost_rag.tiny import tiny_tokenizer
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)} or pass --model PATH")
+    spec = dict(SHAPES[shape])
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), tiny_tokenizer()
+
+
+def load_model(path: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), tok
+
+
+def _output_cache(out: Any) -> Any:
+    # transformers 5 names the returned cache `cache`; older 5.x releases still call it past_key_values
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+class ExactPrefixCache:
+    """What vLLM APC / SGLang reuse: the longest identical token prefix of any earlier prompt."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.entries: list[tuple[list[int], Any]] = []
+
+    @torch.inference_mode()
+    def first_token(self, ids: list[int]) -> tuple[float, int]:
+        best, best_n = None, 0
+        for prev, cache in self.entries:
+            n = 0
+            for a, b in zip(prev, ids):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = cache, n
+        best_n = min(best_n, len(ids) - 1)  # the last token is always computed: its logits are the output
+        cache = None
+        if best is not None and best_n > 0:
+            cache = copy.deepcopy(best)  # vLLM shares blocks without copying; keep the copy off the clock
+            cache.crop(best_n - cache.get_seq_length())  # transformers 5: a negative count drops tokens
+        t0 = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([ids[best_n:]]), cache=cache, use_cache=True, logits_to_keep=1)
+        tok = int(torch.argmax(out.logits[0, -1]))
+        dt = time.perf_counter() - t0
+        self.entries.append((list(ids), _output_cache(out)))
+        self.entries = self.entries[-8:]
+        return dt, tok
+
+
+@torch.inference_mode()
+def full_prefill(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """The fair baseline: HF forward of the whole prompt, logits for the last position only."""
+    return _timed(lambda: model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float())
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got.float(), -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
+               seed: int = 0) -> dict[str, Any]:
+    from kvboost_core import Segment
+
+    rng = random.Random(seed)
+    lo, hi = 10, len(engine.tokenizer) - 1
+    n_corpus = max(sizes) + 4
+    corpus = [[rng.randrange(lo, hi) for _ in range(doc_tokens)] for _ in range(n_corpus)]
+    system = [rng.randrange(lo, hi) for _ in range(32)]
+    warm_s, _ = _timed(lambda: engine.warm([Segment(token_ids=d) for d in corpus]))
+    apc = ExactPrefixCache(engine.model)
+    # the cold path: our engine with an empty store that is never written (no hit of any kind)
+    cold_engine = type(engine)(engine.model, engine.tokenizer, engine.config.with_(store="memory",
+                                                                                   store_prefix=False))
+    rows: dict[int, dict[str, list[dict[str, float]]]] = {n: defaultdict(list) for n in sizes}
+    methods = ["full", "prefix_cache", "cold", *REUSE_METHODS, "exact_repeat"]
+    for r in range(rounds):
+        for n in sizes:
+            docs = rng.sample(corpus, n)
+            question = [rng.randrange(lo, hi) for _ in range(question_tokens)]
+            segs = ([Segment(token_ids=system)] + [Segment(token_ids=d, cacheable=True) for d in docs]
+                    + [Segment(token_ids=question)])
+            ids = engine.tokenize_ids(segs)
+            order = methods[r % len(methods):] + methods[: r % len(methods)]  # alternate who goes first
+            ref = None
+            for m in order:
+                if m == "full":
+                    dt, ref_m = full_prefill(engine.model, ids)
+                    rows[n][m].append({"ttft_s": dt, "reuse": 0.0})
+                    ref = ref_m
+                elif m == "prefix_cache":
+                    dt, _ = apc.first_token(ids)
+                    rows[n][m].append({"ttft_s": dt, "reuse": 0.0})
+                elif m == "cold":
+                    res = cold_engine.generate(segs, max_new_tokens=1, repair="none")
+                    rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio})
+                elif m == "exact_repeat":
+                    engine.generate(segs, max_new_tokens=1, repair="cacheblend")  # stores the repaired prefix
+                    res = engine.generate(segs, max_new_tokens=1, repair="cacheblend", store_prefix=False)
+                    rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio})
+                else:
+                    res = engine.generate(segs, max_new_tokens=1, repair=m, store_prefix=False)
+                    pre = engine.prefill(segs, repair=m, store_prefix=False)
+                    rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio,
+                                       "logits": pre.last_logits})  # type: ignore[dict-item]
+            assert ref is not None
+            for m in REUSE_METHODS:
+                last = rows[n][m][-1]
+                got = last.pop("logits")  # type: ignore[arg-type]
+                last["kl"] = _kl(ref, got)  # type: ignore[arg-type]
+                last["top1"] = float(int(torch.argmax(ref)) == int(torch.argmax(got)))  # type: ignore[arg-type]
+        print(f"  round {r + 1}/{rounds} done", flush=True)
+    out: dict[str, Any] = {"warm_s": warm_s, "corpus_tokens": n_corpus * doc_tokens, "sizes": {}}
+    for n in sizes:
+        ctx = len(system) + n * doc_tokens + question_tokens
+        full_med = statistics.median(x["ttft_s"] for x in rows[n]["full"])
+        summary = {}
+        for m in methods:
+            xs = rows[n][m]
+            med = statistics.median(x["ttft_s"] for x in xs)
+            summary[m] = {"ttft_median_s": med, "speedup_vs_full": full_med / med,
+                          "reuse_ratio": statistics.fmean(x["reuse"] for x in xs),
+                          "ttft_all_s": [x["ttft_s"] for x in xs]}
+            if "kl" in xs[0]:
+                summary[m]["mean_kl"] = statistics.fmean(x["kl"] for x in xs)
+                summary[m]["top1_agree"] = statistics.fmean(x["top1"] for x in xs)
+        out["sizes"][str(n)] = {"documents": n, "context_tokens": ctx, "methods": summary}
+    return out
+
+
+def workload_b(engine: Any, turns: int = 8, reply_tokens: int = 16, seed: int = 1) -> dict[str, Any]:
+    """Multi-turn chat through ChatKVBoost; per turn TTFT against full prefill and exact-prefix caching."""
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from langchain_kvboost import ChatKVBoost
+
+    rng = random.Random(seed)
+    words = ["river", "castle", "engine", "garden", "planet", "market", "violin", "harbour", "lantern", "meadow"]
+    chat = ChatKVBoost(engine=engine, max_new_tokens=reply_tokens)
+    apc = ExactPrefixCache(engine.model)
+    history: list[Any] = []
+    per_turn = []
+    for t in range(turns):
+        history.append(HumanMessage(" ".join(rng.choice(words) for _ in range(60))))
+        reply = chat.invoke(history)
+        stats = dict(chat.last_stats)
+        prompt = chat.rag.chat_prompt([{"role": "user" if isinstance(m, HumanMessage) else "assistant",
+                                         "content": m.content} for m in history])
+        ids = chat.rag.token_ids(prompt)
+        full_s, _ = full_prefill(engine.model, ids)
+        apc_s, _ = apc.first_token(ids)
+        per_turn.append({"turn": t + 1, "prompt_tokens": stats["prompt_tokens"], "ours_ttft_s": stats["ttft_s"],
+                         "full_ttft_s": full_s, "prefix_cache_ttft_s": apc_s,
+                         "reused_exact": stats["reused_exact"]})
+        history.append(AIMessage(reply.content))
+    return {"turns": per_turn}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = result["workload_a"]["sizes"]
+    ctx = [v["context_tokens"] for v in sizes.values()]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in next(iter(sizes.values()))["methods"]:
+        ax.plot(ctx, [v["methods"][m]["ttft_median_s"] for v in sizes.values()], marker="o", label=m)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("TTFT, median (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"TTFT vs context — {result['model']}, {result['machine']['cpu_threads']} threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a local HF model directory")
+    src.add_argument("--shape", default="qwen2.5-0.5b", help=f"random-weight shape: {', '.join(SHAPES)}")
+    ap.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
+    ap.add_argument("--sizes", default="2,4,8", help="documents per query, comma-separated")
+    ap.add_argument("--doc-tokens", type=int, default=512)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chat-turns", type=int, default=8, help="0 skips workload B")
+    ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--plot", dest="plot_path")
+    args = ap.parse_args(argv)
+
+    from kvboost_core.engine import KVEngine
+
+    model, tok = load_model(args.model) if args.model else build_model(args.shape, args.layers)
+    engine = KVEngine(model, tok, max_cache_bytes="16GiB")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    name = args.model or f"{args.shape} (random weights{'' if args.layers is None else f', {args.layers} layers'})"
+    print(f"bench: {name}, sizes {sizes}, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    result: dict[str, Any] = {
+        "model": name, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "engine": {"chunk_size": engine.config.chunk_size, "recompute_ratio": engine.config.recompute_ratio,
+                   "select": engine.config.select, "overlap_k": engine.config.overlap_k,
+                   "sink_tokens": engine.config.sink_tokens},
+        "workload_a": workload_a(engine, sizes, args.rounds, args.doc_tokens, args.question_tokens),
+    }
+    if args.chat_turns:
+        result["workload_b"] = workload_b(engine, args.chat_turns)
+    for n, v in result["workload_a"]["sizes"].items():
+        print(f"\n{n} docs, {v['context_tokens']} tokens")
+        for m, s in v["methods"].items():
+            extra = f"  KL {s['mean_kl']:.4f} top-1 {s['top1_agree']:.0%}" if "mean_kl" in s else ""
+            print(f"  {m:<13} TTFT {s['ttft_median_s'] * 1000:9.1f} ms  x{s['speedup_vs_full']:6.2f} vs full"
+                  f"  reuse {s['reuse_ratio']:.0%}{extra}")
+    if "workload_b" in result:
+        print("\nchat turn  prompt  ours ms  full ms  prefix-cache ms")
+        for t in result["workload_b"]["turns"]:
+            print(f"  {t['turn']:>7} {t['prompt_tokens']:>7} {t['ours_ttft_s'] * 1e3:8.1f} {t['full_ttft_s'] * 1e3:8.1f}"
+                  f" {t['prefix_cache_ttft_s'] * 1e3:10.1f}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.plot_path:
+        plot(result, args.plot_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
