@@ -134,3 +134,18 @@ def test_threads_get_their_own_answers(tiny_llama, tokenizer):
         t.join()
     assert not errors, errors
     assert results == dict(enumerate(alone))
+
+
+def test_from_pretrained_loads_a_local_model(tmp_path, tiny_llama, tokenizer):
+    from kvboost_core.engine import KVEngine
+
+    tiny_llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    eng = KVEngine.from_pretrained(str(tmp_path), chunk_size=32, repair="selective", kv_bits=8, device="cpu")
+    assert eng.config.chunk_size == 32 and eng.config.repair == "selective" and eng.config.kv_bits == 8
+    assert next(eng.model.parameters()).dtype == torch.float32  # fp32 is the CPU default
+    ref = engine_for(tiny_llama, tokenizer)
+    assert eng.fingerprint == ref.fingerprint  # same weights, dtype and tokenizer: the same cache identity
+    assert eng.generate(CORPUS[0], max_new_tokens=4).token_ids == ref.generate(CORPUS[0], max_new_tokens=4).token_ids
+    with pytest.raises(ValueError, match="dtype"):
+        KVEngine.from_pretrained(str(tmp_path), dtype="float8")
