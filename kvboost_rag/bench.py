@@ -191,7 +191,6 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
 def workload_b(engine: Any, turns: int = 8, reply_tokens: int = 16, seed: int = 1) -> dict[str, Any]:
     """Multi-turn chat through ChatKVBoost; per turn TTFT against full prefill and exact-prefix caching."""
     from langchain_core.messages import AIMessage, HumanMessage
-
     from langchain_kvboost import ChatKVBoost
 
     rng = random.Random(seed)

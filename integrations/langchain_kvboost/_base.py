@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_core.engine import KVEngine
 from kvboost_rag import KVBoostRAG, WarmReport
@@ -28,7 +28,8 @@ class KVBoostFields(BaseModel):
                                     "Use from_model_id(...) to load one from a HuggingFace id or path.")
     model_id: str | None = Field(default=None, description="HuggingFace model id or local path (informational "
                                                            "when engine= is given; reported as model_name).")
-    max_tokens: int = Field(default=256, ge=1, description="Maximum number of new tokens per call.")
+    max_tokens: int = Field(default=256, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens"),
+                            description="Maximum number of new tokens per call (alias: max_new_tokens).")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
     seed: int | None = Field(default=None, description="Seed for sampling (temperature > 0).")

@@ -1,0 +1,337 @@
+"""The ``kvboost-rag`` command line: demo, warm, fidelity and bench.
+
+    kvboost-rag demo [--model M] [--questions N] [--top-k K]
+    kvboost-rag warm --model M --docs DIR|FILE.jsonl --store disk:/path
+    kvboost-rag fidelity [--model M] [--json]
+    kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.bench)
+
+``--model`` defaults to the embedded demo model (kvboost_rag/assets/demo_model) everywhere; the demo falls back
+to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvboost_rag import demo_data as dd
+
+DEMO = "demo"  # --model value meaning "the embedded demo model"
+
+
+# ---------------------------------------------------------------------------------------------- models
+@dataclass
+class Loaded:
+    engine: Any  # KVEngine
+    label: str
+    model_dir: Path | None  # where the corpus/held-out files are, for the demo model
+
+
+def _model_dir(model: str) -> Path | None:
+    """The local directory of ``model`` ("demo" is the embedded model), or None for a hub id."""
+    path = dd.DEMO_MODEL_DIR if model == DEMO else Path(model)
+    return path if path.is_dir() else None
+
+
+def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Loaded:
+    """A KVEngine on CPU-or-CUDA for ``model``; with ``allow_tiny`` a missing demo asset falls back to the tiny
+    random model (and says so) instead of failing."""
+    from kvboost_core.engine import KVEngine
+
+    if model == DEMO and not dd.demo_model_available():
+        if not allow_tiny:
+            raise SystemExit(f"the embedded demo model is missing ({dd.DEMO_MODEL_DIR}); pass --model PATH or "
+                             "build it with scripts/train_demo_model.py")
+        from kvboost_rag.tiny import tiny_model_and_tokenizer
+
+        print(f"note: the embedded demo model is missing ({dd.DEMO_MODEL_DIR}); using the tiny random model "
+              "from kvboost_rag.tiny instead. Its answers are noise; reuse ratios and timings are real.")
+        m, tok = tiny_model_and_tokenizer()
+        return Loaded(KVEngine(m, tok, **engine_kw), "kvboost-tiny-random", None)
+    target = str(dd.DEMO_MODEL_DIR) if model == DEMO else model
+    label = "kvboost demo model" if model == DEMO else model
+    return Loaded(KVEngine.from_pretrained(target, **engine_kw), label, _model_dir(model))
+
+
+def set_threads(threads: int | None, model: str) -> None:
+    """Apply ``--threads``. The embedded model is tiny (3M parameters): one thread beats several, whose
+    synchronisation costs more than the matmuls, and collapses when the cores are shared (20x measured)."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    elif model == DEMO:
+        torch.set_num_threads(1)
+
+
+def _has_demo_data(model_dir: Path | None) -> bool:
+    return model_dir is not None and (model_dir / dd.CORPUS_FILE).exists() and (model_dir / dd.HELDOUT_FILE).exists()
+
+
+# ---------------------------------------------------------------------------------------------- demo
+@dataclass
+class DemoRow:
+    question: str
+    expected: str | None
+    answer: str
+    answer_full: str
+    ttft_reuse_s: float
+    ttft_full_s: float
+    reuse_ratio: float
+    documents: int
+
+
+def _demo_workload(loaded: Loaded, n: int) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """(corpus texts, [(question, expected answer or None)])."""
+    if _has_demo_data(loaded.model_dir):
+        assert loaded.model_dir is not None
+        corpus = [d["text"] for d in dd.load_corpus(loaded.model_dir)]
+        # single-hop first: a retriever keyed on the question's words finds their one gold document; a
+        # two-hop question's second document shares no words with it.
+        qs = sorted(dd.load_heldout(loaded.model_dir), key=lambda q: q["hops"])
+        return corpus, [(q["question"], q["answer"]) for q in qs[:n]]
+    from kvboost_rag.tiny import synthetic_facts
+
+    questions = ["Where does Dana live?", "What does Chen do on weekends?", "When was Alice born?",
+                 "Who lives in Portvale?", "What is the job of Emeka?"]
+    return synthetic_facts(20), [(q, None) for q in (questions * (n // len(questions) + 1))[:n]]
+
+
+def _build_chain(llm: Any, corpus: Sequence[str], top_k: int) -> Any:
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+    from langchain_community.vectorstores import FAISS
+    from langchain_core.documents import Document
+    from langchain_core.prompts import PromptTemplate
+    from langchain_kvboost import KVHashEmbeddings
+
+    docs = [Document(page_content=t) for t in corpus]
+    store = FAISS.from_documents(docs, KVHashEmbeddings())
+    prompt = PromptTemplate.from_template(dd.PROMPT_TEMPLATE)
+    return create_retrieval_chain(store.as_retriever(search_kwargs={"k": top_k}),
+                                  create_stuff_documents_chain(llm, prompt))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from kvboost_core.engine import KVEngine
+    from kvboost_rag import KVBoostRAG
+
+    try:
+        from langchain_kvboost import KVBoostLLM
+    except ImportError as exc:
+        raise SystemExit(f"the demo needs LangChain: pip install 'kvboost-rag[langchain]' ({exc})") from exc
+    t_start = time.perf_counter()
+    loaded = load_engine(args.model, allow_tiny=True)
+    corpus, questions = _demo_workload(loaded, args.questions)
+    llm = KVBoostLLM(engine=loaded.engine, max_tokens=args.max_new_tokens, stop=["\n"], model_id=loaded.label)
+    print(f"model: {loaded.label}; corpus: {len(corpus)} documents; {len(questions)} questions; top-k {args.top_k}")
+    report = llm.warm_documents(corpus, progress=not args.no_progress)
+    print(f"warmed {report.warmed} documents ({report.tokens} tokens, {report.bytes / 2**20:.1f} MiB) "
+          f"in {report.seconds:.1f} s")
+    chain = _build_chain(llm, corpus, args.top_k)
+    # The baseline: a second engine on the same weights with an empty store, so its prefill computes every
+    # token (no warmed documents, no exact-prefix hits from the reuse run's stored prefixes).
+    full = KVBoostRAG(KVEngine(loaded.engine.model, loaded.engine.tokenizer))
+    _warm_up(chain, full)
+    rows = [_demo_question(chain, llm, full, q, expected, args.max_new_tokens) for q, expected in questions]
+    for i, row in enumerate(rows, 1):
+        _print_row(i, row)
+    _print_summary(rows, time.perf_counter() - t_start)
+    return 0
+
+
+def _warm_up(chain: Any, full: Any) -> None:
+    """One untimed call on each path, so lazy initialisation does not land in the first TTFT."""
+    chain.invoke({"input": "warm-up"})
+    full.generate(dd.build_prompt(["warm-up"], "warm-up"), max_new_tokens=1, store_prefix=False)
+
+
+def _demo_question(chain: Any, llm: Any, full: Any, question: str, expected: str | None,
+                   max_new_tokens: int) -> DemoRow:
+    out = chain.invoke({"input": question})
+    stats = dict(llm.last_stats)
+    # The same prompt the chain built (stuff-documents joins page contents with "\n\n").
+    prompt = dd.build_prompt([d.page_content for d in out["context"]], question)
+    ref = full.generate(prompt, max_new_tokens=max_new_tokens, stop="\n", repair="full", store_prefix=False)
+    return DemoRow(question, expected, str(out["answer"]).strip(), ref.text.strip(), float(stats["ttft_s"]),
+                   ref.ttft_s, float(stats["reuse_ratio"]), int(stats.get("documents", 0)))
+
+
+def _mark(answer: str, expected: str | None) -> str:
+    if expected is None:
+        return "n/a"
+    return "right" if dd.is_correct(answer, expected) else f"wrong (expected {expected!r})"
+
+
+def _print_row(i: int, r: DemoRow) -> None:
+    print(f"\n[{i}] Q: {r.question}")
+    print(f"    A (reuse): {r.answer!r} -> {_mark(r.answer, r.expected)}")
+    print(f"    A (full):  {r.answer_full!r} -> {_mark(r.answer_full, r.expected)}")
+    print(f"    TTFT reuse {r.ttft_reuse_s * 1e3:.1f} ms | full prefill {r.ttft_full_s * 1e3:.1f} ms | "
+          f"reuse ratio {r.reuse_ratio:.0%} | documents found {r.documents}")
+
+
+def _print_summary(rows: Sequence[DemoRow], seconds: float) -> None:
+    print("\nSummary")
+    graded = [r for r in rows if r.expected is not None]
+    if graded:
+        acc_reuse = sum(dd.is_correct(r.answer, r.expected or "") for r in graded) / len(graded)
+        acc_full = sum(dd.is_correct(r.answer_full, r.expected or "") for r in graded) / len(graded)
+        print(f"  accuracy: with reuse {acc_reuse:.0%}, full prefill {acc_full:.0%} ({len(graded)} questions)")
+    if rows:
+        ratio = statistics.median(r.ttft_full_s / max(r.ttft_reuse_s, 1e-9) for r in rows)
+        print(f"  median TTFT: reuse {statistics.median(r.ttft_reuse_s for r in rows) * 1e3:.1f} ms, "
+              f"full {statistics.median(r.ttft_full_s for r in rows) * 1e3:.1f} ms "
+              f"(full/reuse {ratio:.2f}x); mean reuse ratio {statistics.fmean(r.reuse_ratio for r in rows):.0%}")
+    print(f"  total {seconds:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------- warm
+def read_documents(src: Path) -> list[str]:
+    """Texts of ``*.txt`` files in a directory (sorted by name), or the "text" field of each jsonl line."""
+    if src.is_dir():
+        files = sorted(src.glob("*.txt"))
+        if not files:
+            raise SystemExit(f"no .txt files in {src}")
+        return [f.read_text(encoding="utf-8") for f in files]
+    if src.suffix == ".jsonl" and src.is_file():
+        texts = []
+        for n, row in enumerate(dd.read_jsonl(src), 1):
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise SystemExit(f"{src}: line {n} has no string 'text' field")
+            texts.append(row["text"])
+        return texts
+    raise SystemExit(f"--docs must be a directory of .txt files or a .jsonl file, got {src}")
+
+
+def run_warm(args: argparse.Namespace) -> int:
+    from kvboost_rag import KVBoostRAG
+
+    texts = read_documents(Path(args.docs))
+    loaded = load_engine(args.model, store=args.store, chunk_size=args.chunk_size)
+    rag = KVBoostRAG(loaded.engine)
+    rep = rag.warm_documents(texts, batch_size=args.batch_size, progress=not args.no_progress)
+    stats = loaded.engine.stats()
+    print(f"documents {rep.documents}: warmed {rep.warmed}, already warm {rep.already_warm}; "
+          f"tokens {rep.tokens}; bytes added {rep.bytes} ({rep.bytes / 2**20:.2f} MiB); "
+          f"{rep.seconds:.2f} s")
+    print(f"store {args.store}: {stats['entries']} entries, {stats['bytes']} bytes")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- fidelity
+def fidelity_prompts(loaded: Loaded, n: int, seed: int = 0) -> tuple[list[str], list[Any]]:
+    """(documents to warm, prompts): each prompt is 3-4 of the documents in a new order (so their KV is
+    re-placed at positions other than where it was computed) followed by a question."""
+    from kvboost_core import Segment
+
+    rng = random.Random(seed)
+    if _has_demo_data(loaded.model_dir):
+        assert loaded.model_dir is not None
+        corpus = {d["id"]: d["text"] for d in dd.load_corpus(loaded.model_dir)}
+        qs = dd.load_heldout(loaded.model_dir)[:n]
+        contexts = [([corpus[i] for i in q["context_ids"]], q["question"]) for q in qs]
+    else:
+        from kvboost_rag.tiny import synthetic_facts
+
+        facts = synthetic_facts(8)
+        contexts = [(rng.sample(facts, rng.choice([3, 4])), "Who lives in the city named in the first fact?")
+                    for _ in range(n)]
+    docs = list(dict.fromkeys(t for ctx, _ in contexts for t in ctx))
+    prompts = []
+    for ctx, question in contexts:
+        segs = [Segment(text="Documents:")]
+        for text in ctx:
+            segs += [Segment(text="\n\n"), Segment(text=text, cacheable=True)]
+        prompts.append(segs + [Segment(text=f"\n\nQuestion: {question}\nAnswer:")])
+    return docs, prompts
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    loaded = load_engine(args.model)
+    docs, prompts = fidelity_prompts(loaded, args.prompts)
+    loaded.engine.warm(docs)
+    rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")), max_new_tokens=args.max_new_tokens)
+    if args.json:
+        print(rep.to_json(indent=2))
+    else:
+        print(f"fidelity of {loaded.label}: {len(prompts)} prompts of reordered warmed documents vs full prefill")
+        print(rep.table())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def run_bench(rest: Sequence[str]) -> int:
+    try:
+        from kvboost_rag.bench import main as bench_main
+    except ImportError as exc:
+        raise SystemExit(f"kvboost_rag.bench is not available in this installation ({exc})") from exc
+    rc = bench_main(list(rest))
+    return int(rc or 0)
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvboost-rag", description="KV cache reuse for RAG on local HF models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="LangChain RAG over the bundled corpus: answers, TTFT with reuse vs full")
+    d.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
+    d.add_argument("--questions", type=int, default=6, help="held-out questions to ask (default 6)")
+    d.add_argument("--top-k", type=int, default=4, help="documents retrieved per question (default 4)")
+    d.add_argument("--max-new-tokens", type=int, default=12)
+    d.add_argument("--no-progress", action="store_true", help="no progress bar while warming")
+
+    w = sub.add_parser("warm", help="warm documents into a KV store")
+    w.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
+    w.add_argument("--docs", required=True, help="a directory of .txt files or a .jsonl file with a 'text' field")
+    w.add_argument("--store", required=True, help="store spec, e.g. disk:/path, memory or redis://host:6379/0")
+    w.add_argument("--chunk-size", type=int, default=128)
+    w.add_argument("--batch-size", type=int, default=8)
+    w.add_argument("--no-progress", action="store_true")
+
+    f = sub.add_parser("fidelity", help="reuse strategies vs full prefill on reordered documents")
+    f.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
+    f.add_argument("--prompts", type=int, default=12)
+    f.add_argument("--repairs", default="none,selective,cacheblend", help="comma-separated repair modes")
+    f.add_argument("--max-new-tokens", type=int, default=8)
+    f.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    for sp in (d, w, f):
+        sp.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
+
+    sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return run_bench(argv[1:])  # bench owns its own parser
+    args = build_parser().parse_args(argv)
+    set_threads(args.threads, args.model)
+    if args.command == "demo":
+        if args.questions < 1 or args.top_k < 1:
+            raise SystemExit("--questions and --top-k must be >= 1")
+        return run_demo(args)
+    if args.command == "warm":
+        return run_warm(args)
+    if args.command == "fidelity":
+        if args.prompts < 1:
+            raise SystemExit("--prompts must be >= 1")
+        return run_fidelity(args)
+    raise SystemExit(f"unknown command {args.command!r}")  # argparse rejects these first
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Smoke tests of the ``kvboost-rag`` CLI: demo, warm, fidelity (and bench's forwarding, when present)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kvboost_rag import cli
+from kvboost_rag import demo_data as dd
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """cli.main sets torch's thread count (--threads); keep that from leaking into other test modules."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny random model of kvboost_rag.tiny saved as a HF directory: a stand-in for "any other model"."""
+    from kvboost_rag.tiny import tiny_model_and_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_demo_runs_end_to_end(capsys):
+    pytest.importorskip("langchain_classic")
+    pytest.importorskip("faiss")
+    assert cli.main(["demo", "--questions", "2", "--top-k", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Q: ") == 2
+    assert "TTFT reuse" in out and "full prefill" in out and "reuse ratio" in out
+    assert "median TTFT" in out
+    if dd.demo_model_available():
+        assert "accuracy: with reuse" in out
+    else:
+        assert "tiny random model" in out
+
+
+def test_demo_on_another_model_without_answers(tiny_dir, capsys):
+    pytest.importorskip("langchain_classic")
+    assert cli.main(["demo", "--model", str(tiny_dir), "--questions", "1", "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "A (reuse)" in out and "n/a" in out  # a generic model gets generic questions with no key
+
+
+def test_warm_to_disk_store(tiny_dir, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, text in enumerate(["Alice lives in Portvale and works as a chemist.",
+                              "Bruno was born in Essberg in 1961.", "Chen spends weekends sailing."]):
+        (docs / f"{i}.txt").write_text(text, encoding="utf-8")
+    store = tmp_path / "kv"
+    args = ["warm", "--model", str(tiny_dir), "--docs", str(docs), "--store", f"disk:{store}", "--no-progress",
+            "--threads", "1"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "documents 3: warmed 3" in out
+    assert any(store.rglob("*")), "the disk store wrote nothing"
+    assert cli.main(args) == 0  # a second process finds the documents in the disk store
+    assert "warmed 0, already warm 3" in capsys.readouterr().out
+
+
+def test_warm_reads_jsonl_and_rejects_bad_input(tiny_dir, tmp_path, capsys):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in ["one document here", "another one"]) + "\n")
+    assert cli.main(["warm", "--model", str(tiny_dir), "--docs", str(src), "--store", "memory",
+                     "--no-progress", "--threads", "1"]) == 0
+    assert "documents 2: warmed 2" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"body": "no text field"}) + "\n")
+    with pytest.raises(SystemExit, match="no string 'text' field"):
+        cli.main(["warm", "--model", str(tiny_dir), "--docs", str(bad), "--store", "memory"])
+
+
+def test_fidelity_json_parses(tiny_dir, capsys):
+    assert cli.main(["fidelity", "--model", str(tiny_dir), "--prompts", "3", "--max-new-tokens", "4",
+                     "--json", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["summary"]) == {"none", "selective", "cacheblend"}
+    assert report["summary"]["cacheblend"]["prompts"] == 3
+    assert report["summary"]["none"]["reuse_ratio"] > 0.3  # the reordered documents were re-placed
+
+
+@pytest.mark.skipif(not dd.demo_model_available(), reason="the embedded demo model is not built")
+def test_fidelity_table_on_demo_model(capsys):
+    assert cli.main(["fidelity", "--prompts", "3", "--max-new-tokens", "4", "--repairs", "none,cacheblend"]) == 0
+    out = capsys.readouterr().out
+    assert "cacheblend" in out and "mean KL" in out
+
+
+def test_bench_forwards_arguments():
+    if importlib.util.find_spec("kvboost_rag.bench") is None:
+        pytest.skip("kvboost_rag.bench is not written yet")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+
+
+def test_missing_subcommand_is_an_error():
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
