@@ -111,3 +111,20 @@ def test_missing_subcommand_is_an_error():
     with pytest.raises(SystemExit) as exc:
         cli.main([])
     assert exc.value.code == 2
+
+
+def test_bench_runs_on_tiny_settings(tmp_path):
+    import json
+
+    from kvboost_rag.bench import main as bench_main
+
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    assert bench_main(["--shape", "tiny", "--sizes", "2", "--rounds", "1", "--doc-tokens", "64",
+                       "--question-tokens", "8", "--chat-turns", "2", "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    methods = data["workload_a"]["sizes"]["2"]["methods"]
+    assert {"full", "prefix_cache", "cold", "none", "selective", "cacheblend", "exact_repeat"} <= set(methods)
+    assert methods["exact_repeat"]["reuse_ratio"] > 0.9 and methods["cold"]["reuse_ratio"] == 0
+    assert len(data["workload_b"]["turns"]) == 2 and data["workload_b"]["turns"][1]["reused_exact"] > 0
+    assert png.stat().st_size > 0
