@@ -11,40 +11,14 @@ next to a cold run (same model, nothing warmed) for comparison.
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import time
 
-import xxhash
 from llama_index.core import Settings, VectorStoreIndex
-from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.schema import Document
-from llama_index.llms.kvboost import KVBoostLLM, KVWarmer, StableOrderPostprocessor
+from llama_index.llms.kvboost import KVBoostLLM, KVHashEmbedding, KVWarmer, StableOrderPostprocessor
 
 from kvboost_core.engine import KVEngine
-
-
-class HashEmbedding(BaseEmbedding):
-    """A deterministic local embedding (hashed words, L2-normalized). Use a real embedding model in practice."""
-
-    dim: int = 256
-
-    def _vec(self, text: str) -> list[float]:
-        v = [0.0] * self.dim
-        for w in re.findall(r"[a-z0-9]+", text.lower()):
-            v[xxhash.xxh32_intdigest(w.encode()) % self.dim] += 1.0
-        norm = math.sqrt(sum(x * x for x in v)) or 1.0
-        return [x / norm for x in v]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._vec(text)
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._vec(query)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._vec(query)
 
 
 def _tiny() -> tuple[object, object, list[str]]:
@@ -92,7 +66,7 @@ def main() -> None:
     ap.add_argument("--mode", default="compact", help="response_mode: compact, refine, tree_summarize, ...")
     args = ap.parse_args()
 
-    Settings.embed_model = embed = HashEmbedding()
+    Settings.embed_model = embed = KVHashEmbedding()
     if args.model:
         llm = KVBoostLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
         cold = KVBoostLLM(engine=KVEngine(llm.engine.model, llm.engine.tokenizer, store_prefix=False),

@@ -7,5 +7,6 @@ from llama_index.llms.kvboost.base import (
     registry_key,
     render_node,
 )
+from llama_index.llms.kvboost.embeddings import KVHashEmbedding
 
-__all__ = ["KVBoostLLM", "KVWarmer", "StableOrderPostprocessor", "registry_key", "render_node"]
+__all__ = ["KVBoostLLM", "KVHashEmbedding", "KVWarmer", "StableOrderPostprocessor", "registry_key", "render_node"]
