@@ -148,7 +148,7 @@ class ModelAdapter:
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.rotary_emb(hidden, position_ids=positions.view(1, -1))  # each (1, n, R)
 
-    def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor, cos_sin, positions: torch.Tensor,
+    def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor | None, cos_sin, positions: torch.Tensor,
                   cache: ScatterCache) -> torch.Tensor:
         out = self.inner.layers[i](hidden, attention_mask=mask, position_embeddings=cos_sin,
                                    position_ids=positions.view(1, -1), cache=cache, use_cache=True)
@@ -162,11 +162,17 @@ class ModelAdapter:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def mask(self, q_pos: torch.Tensor, length: int, layer: int) -> torch.Tensor:
-        """Exactly causal: a query at position p sees keys at positions <= p (and > p - window)."""
+    def mask(self, q_pos: torch.Tensor, length: int, layer: int) -> torch.Tensor | None:
+        """Exactly causal: a query at position p sees keys at positions <= p (and > p - window).
+
+        When every position [0, length) is computed (a cold prefill) and SDPA runs, None lets SDPA apply its own
+        causal mask: the same attention, through the fused kernel instead of a materialized (n, T) mask."""
+        window = self.windows[layer]
+        full = q_pos.numel() == length and (length == 0 or int(q_pos[-1]) == length - 1)
+        if full and window is None and self.model.config._attn_implementation == "sdpa":
+            return None
         k_pos = torch.arange(length, device=q_pos.device)
         allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
-        window = self.windows[layer]
         if window is not None:
             allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
         allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)

@@ -35,8 +35,8 @@ class ForwardTrace:
     selected: torch.Tensor | None = None  # positions CacheBlend kept recomputing
 
 
-def _masks(adapter: ModelAdapter, positions: torch.Tensor, length: int) -> list[torch.Tensor]:
-    by_window: dict[int | None, torch.Tensor] = {}
+def _masks(adapter: ModelAdapter, positions: torch.Tensor, length: int) -> list[torch.Tensor | None]:
+    by_window: dict[int | None, torch.Tensor | None] = {}
     out = []
     for layer, window in enumerate(adapter.windows):
         if window not in by_window:
