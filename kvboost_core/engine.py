@@ -141,12 +141,13 @@ class KVEngine:
         return chunk_spans(ids, self.config.chunk_size, self.config.boundary_window, self._is_boundary)
 
     def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
-                     check_layer: int | None) -> RepairSpec:
+                     check_layer: int | None, reuse_repaired: bool = True) -> RepairSpec:
         c = self.config
         spec = RepairSpec(repair=c.repair if repair is None else repair,
                           recompute_ratio=c.recompute_ratio if recompute_ratio is None else recompute_ratio,
                           check_layer=c.check_layer if check_layer is None else check_layer,
-                          select=c.select if select is None else select, overlap_k=c.overlap_k)
+                          select=c.select if select is None else select, overlap_k=c.overlap_k,
+                          reuse_repaired=reuse_repaired)
         validate_repair(spec.repair, spec.recompute_ratio, spec.select)
         return spec
 
@@ -248,7 +249,7 @@ class KVEngine:
         chunks = plan_chunks(segs, self._spans)
         plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
                       spans_of=self._spans, sink_tokens=self.config.sink_tokens,
-                      allow_approx=self.adapter.rope.rerotatable, allow_repaired=spec.repair != "full")
+                      allow_approx=self.adapter.rope.rerotatable, allow_repaired=spec.repair != "full" and spec.reuse_repaired)
         t_lookup = time.perf_counter()
         ctx = self.adapter.max_context or (total + n_new)
         cache = self._new_cache(max(total, min(total + n_new, ctx)))
@@ -319,10 +320,14 @@ class KVEngine:
 
     def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
                 select: str | None = None, check_layer: int | None = None,
-                add_special_tokens: bool | None = None, store_prefix: bool | None = None) -> PrefillResult:
-        """Assemble the prompt's KV from the cache, repair it, and return the next-token logits."""
+                add_special_tokens: bool | None = None, store_prefix: bool | None = None,
+                reuse_repaired: bool = True) -> PrefillResult:
+        """Assemble the prompt's KV from the cache, repair it, and return the next-token logits.
+
+        ``reuse_repaired=False`` ignores prefix entries stored from earlier repaired (approximate) prefills, so
+        the call measures its own strategy; ``repair="full"`` always ignores them."""
         t0 = time.perf_counter()
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer)
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired)
         result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
         self._store_prefix(plan, cache, spec, store_prefix)
         return result
@@ -346,9 +351,10 @@ class KVEngine:
 
     def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, *, repair: str | None = None,
              recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
-             add_special_tokens: bool | None = None, store_prefix: bool | None = None) -> Iterator[str]:
+             add_special_tokens: bool | None = None, store_prefix: bool | None = None,
+             reuse_repaired: bool = True) -> Iterator[str]:
         t0 = time.perf_counter()
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer)
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired)
         pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0)
         generator = None
         if params.seed is not None:

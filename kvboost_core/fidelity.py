@@ -108,8 +108,8 @@ def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int
 
 def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
            max_new_tokens: int = 16, **repair_kw: Any) -> FidelityReport:
-    """Compare each strategy with a full prefill of the same ids. Nothing is stored as a side effect, so the
-    strategies do not feed each other exact hits."""
+    """Compare each strategy with a full prefill of the same ids. Nothing is stored as a side effect, and
+    prefixes stored from earlier repaired calls are not served, so each strategy is measured on its own."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     report = FidelityReport()
@@ -118,9 +118,10 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
         ref_logits = engine.full_prefill_logits(ids)
         ref_tokens, ref_ttft = _greedy_reference(engine, ids, max_new_tokens)
         for repair in repairs:
+            # reuse_repaired=False: earlier calls' repaired prefixes would make every strategy look exact
             res = engine.generate(prompt, max_new_tokens=max_new_tokens, repair=repair, store_prefix=False,
-                                  **repair_kw)
-            pre = engine.prefill(prompt, repair=repair, store_prefix=False, **repair_kw)
+                                  reuse_repaired=False, **repair_kw)
+            pre = engine.prefill(prompt, repair=repair, store_prefix=False, reuse_repaired=False, **repair_kw)
             cmp = compare_logits(ref_logits, pre.last_logits)
             got = res.token_ids[: len(ref_tokens)]
             match = sum(1 for a, b in zip(got, ref_tokens) if a == b) / len(ref_tokens)

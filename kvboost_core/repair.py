@@ -27,6 +27,7 @@ class RepairSpec:
     check_layer: int
     select: str
     overlap_k: int
+    reuse_repaired: bool = True  # serve prefix entries stored from earlier repaired prefills as exact hits
 
 
 def _sq_dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

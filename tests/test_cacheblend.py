@@ -80,3 +80,12 @@ def test_repaired_prefill_is_stored_as_exact_prefix(eng):
     assert again.stats["reused_exact"] >= again.stats["prompt_tokens"] - 1
     # the repeat gives the repaired answer exactly (same KV, now an exact hit)
     assert torch.allclose(first.last_logits, again.last_logits, atol=1e-4)
+
+
+def test_verify_is_not_fooled_by_stored_repaired_prefixes(eng):
+    prompt = docs_prompt([CORPUS[5], CORPUS[4]], " Why?")
+    before = eng.verify([prompt], repairs=("none",), max_new_tokens=2).summary()["none"]
+    eng.generate(prompt, max_new_tokens=2, repair="none")  # stores the approximate KV as a repaired prefix
+    assert eng.prefill(prompt, repair="none", store_prefix=False).stats["reused_exact"] > 0
+    after = eng.verify([prompt], repairs=("none",), max_new_tokens=2).summary()["none"]
+    assert after["mean_kl"] == pytest.approx(before["mean_kl"], abs=1e-6) and before["mean_kl"] > 0
