@@ -21,6 +21,12 @@ from kvboost_core.rope import RopeSupport, rope_support
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite", "olmo", "olmo2", "smollm3")
 
 
+def output_cache(out: Any) -> Any:
+    """The KV cache an HF forward returned: transformers 5 calls it ``cache``, earlier 5.x ``past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 class ScatterCache:
     """A duck-typed HF ``Cache`` over preallocated per-layer buffers.
 
@@ -120,7 +126,7 @@ class ModelAdapter:
                           layer)
         out = self.model(input_ids=ids[reused:].view(1, -1), cache=hf if reused else None, use_cache=True,
                          logits_to_keep=1)
-        hf = getattr(out, "cache", None) or out.past_key_values
+        hf = output_cache(out)
         total = ids.numel()
         for layer in range(self.num_layers):
             cache.keys[layer][:, :, :total] = hf.layers[layer].keys
@@ -131,7 +137,7 @@ class ModelAdapter:
     @torch.inference_mode()
     def hf_step(self, cache: ScatterCache, token: int) -> torch.Tensor:
         out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache.hf, use_cache=True)
-        cache.hf = getattr(out, "cache", None) or out.past_key_values
+        cache.hf = output_cache(out)
         return out.logits[0, -1]
 
     @property

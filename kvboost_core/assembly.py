@@ -50,15 +50,10 @@ class Plan:
     placements: list[Placement] = field(default_factory=list)
     status: list[int] = field(default_factory=list)  # per position: FRESH, EXACT or APPROX
     exact_len: int = 0  # positions [0, exact_len) come from the prefix chain
-    exact_frontier: int = 0  # positions [0, exact_frontier) hold KV equal to a full prefill's
+    repaired_from: int | None = None  # first position served from a "repaired" (approximate) prefix entry
     hits_exact: int = 0  # tokens
     hits_content: int = 0
     misses: int = 0
-
-    @property
-    def seams(self) -> list[int]:
-        """Start positions of re-placed (approximate) runs: where a document met new neighbours."""
-        return [p.dst for p in self.placements if not p.exact]
 
 
 def plan_chunks(segments: Sequence[TokenizedSegment], spans_of: Callable[[Sequence[int]], list[tuple[int, int]]]
@@ -130,7 +125,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
                 frontier = ch.start
         break
     plan.exact_len = covered
-    plan.exact_frontier = covered if frontier is None else frontier
+    plan.repaired_from = frontier
     for p in range(covered):
         plan.status[p] = EXACT
     plan.hits_exact = covered

@@ -177,7 +177,7 @@ class KVEngine:
                 continue
             prefix = list(self._warm_prefix)
             full = prefix + ids
-            self._check_context(len(full), 0)
+            self._check_context(len(full))
             cache = self._new_cache(len(full))
             ids_t = torch.tensor(full, device=self.adapter.device)
             positions = torch.arange(len(full), device=ids_t.device)  # the lead-in is computed, not stored
@@ -214,7 +214,7 @@ class KVEngine:
         values = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
         return ScatterCache(keys, values)
 
-    def _check_context(self, n_prompt: int, n_new: int) -> None:
+    def _check_context(self, n_prompt: int) -> None:
         ctx = self.adapter.max_context
         if ctx and n_prompt > ctx:
             raise ValueError(f"the prompt has {n_prompt} tokens but the model's context is {ctx} tokens; "
@@ -245,7 +245,7 @@ class KVEngine:
         total = sum(len(s.token_ids) for s in segs)
         if total == 0:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
-        self._check_context(total, n_new)
+        self._check_context(total)
         chunks = plan_chunks(segs, self._spans)
         plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
                       spans_of=self._spans, sink_tokens=self.config.sink_tokens,
@@ -301,12 +301,10 @@ class KVEngine:
             return
         # KV is exact up to the first approximate position: a re-placed token that was not recomputed in
         # every layer with an exact context, or a repaired prefix hit. Chunks past it are stored as "repaired".
-        frontier = plan.exact_frontier
-        if spec.repair == "full":
-            frontier = len(plan.status)
-        else:
-            approx = next((i for i, s in enumerate(plan.status) if s == APPROX), len(plan.status))
-            frontier = min(approx, frontier if frontier < plan.exact_len else len(plan.status))
+        frontier = len(plan.status)
+        if spec.repair != "full":  # full recomputes every re-placed token and never serves repaired entries
+            first_approx = next((i for i, s in enumerate(plan.status) if s == APPROX), frontier)
+            frontier = min(first_approx, frontier if plan.repaired_from is None else plan.repaired_from)
         full_hits = {pl.dst for pl in plan.placements if pl.exact and pl.length == pl.block.num_tokens}
         for ch, (parent, key) in zip(plan.chunks, chunk_prefix_keys(self.config.namespace, self.fingerprint,
                                                                      plan.token_ids, plan.chunks)):

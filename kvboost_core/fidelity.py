@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kvboost_core.adapters import output_cache
+
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(P_ref || P) of two next-token distributions, in nats."""
@@ -81,12 +83,6 @@ class FidelityReport:
         return self.table()
 
 
-def _output_cache(out: Any) -> Any:
-    # transformers 5 names the returned cache `cache`; older 5.x releases call it past_key_values
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 @torch.inference_mode()
 def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int], float]:
     """Full-prefill greedy continuation through HF's own forward, and the timed prefill (TTFT) of it."""
@@ -96,11 +92,11 @@ def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int
                 logits_to_keep=1)
     tok = int(torch.argmax(out.logits[0, -1]))
     ttft = time.perf_counter() - t0
-    cache = _output_cache(out)
+    cache = output_cache(out)
     toks = [tok]
     for _ in range(n - 1):
         out = model(input_ids=torch.tensor([[tok]], device=engine.adapter.device), cache=cache, use_cache=True)
-        cache = _output_cache(out)
+        cache = output_cache(out)
         tok = int(torch.argmax(out.logits[0, -1]))
         toks.append(tok)
     return toks, ttft

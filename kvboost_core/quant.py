@@ -241,7 +241,10 @@ def maybe_quantize(dense: DensePayload, kv_bits: int | None, group_size: int = 3
         return dense
     if kv_bits == 16:
         return DensePayload(dense.keys.to(torch.bfloat16), dense.values.to(torch.bfloat16))
-    return quantize_payload(dense, kv_bits, group_size)
+    # the native kernel when built (bit-identical to quantize_payload, which stays the reference)
+    from kvboost_core.kernels.ops import quantize_payload as native_quantize_payload
+
+    return native_quantize_payload(dense, kv_bits, group_size)
 
 
 def bytes_per_token(payload: DensePayload | QuantPayload) -> float:

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 
 REROTATABLE = ("default", "linear", "llama3")
-# Families with absolute or ALiBi positions: no RoPE to re-rotate, so only exact prefixes are reusable.
-ABSOLUTE_POSITION_TYPES = ("gpt2", "opt", "bloom", "gpt_bigcode", "mpt", "falcon_alibi", "gptj_absolute")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kvboost_core.adapters import output_cache
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -63,12 +65,6 @@ def load_model(path: str) -> tuple[Any, Any]:
     return model.eval(), tok
 
 
-def _output_cache(out: Any) -> Any:
-    # transformers 5 names the returned cache `cache`; older 5.x releases still call it past_key_values
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 def _timed(fn: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
@@ -102,7 +98,7 @@ class ExactPrefixCache:
         out = self.model(input_ids=torch.tensor([ids[best_n:]]), cache=cache, use_cache=True, logits_to_keep=1)
         tok = int(torch.argmax(out.logits[0, -1]))
         dt = time.perf_counter() - t0
-        self.entries.append((list(ids), _output_cache(out)))
+        self.entries.append((list(ids), output_cache(out)))
         self.entries = self.entries[-8:]
         return dt, tok
 
