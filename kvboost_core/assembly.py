@@ -161,7 +161,11 @@ def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rota
     device = keys[0].device
     for pl in plan.placements:
         cos = sin = None
-        if pl.delta != 0:
+        if getattr(pl.block.payload, "keys_pre_rope", False):
+            # keys stored at position 0 (pre-RoPE quantization): rotate to the absolute target positions
+            pos = torch.arange(pl.dst, pl.dst + pl.length, dtype=torch.long, device=device)
+            cos, sin = delta_cos_sin(rotary_emb, pos)  # (n, R) fp32
+        elif pl.delta != 0:
             deltas = torch.full((pl.length,), pl.delta, dtype=torch.long, device=device)
             cos, sin = delta_cos_sin(rotary_emb, deltas)  # (n, R) fp32
         place_block(pl.block.payload, pl.src, pl.length, keys, values, pl.dst, cos, sin)

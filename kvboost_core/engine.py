@@ -201,7 +201,10 @@ class KVEngine:
         # The chunk at the sequence start holds the attention sink (BOS), whose outlier keys would widen every
         # channel's quantization range; it is a single chunk per prefix chain, so it stays dense.
         bits = None if start == 0 else self.config.kv_bits
-        payload = maybe_quantize(DensePayload(k, v), bits, self.config.kv_group_size)
+        # Rotatable RoPE: quantize keys pre-RoPE (position 0); placement rotates them to where they land.
+        rotary = self.adapter.inner.rotary_emb if self.adapter.layerwise and self.adapter.rope.rerotatable else None
+        payload = maybe_quantize(DensePayload(k, v), bits, self.config.kv_group_size, start=start,
+                                 rotary_emb=rotary)
         return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
                        parent=parent)
 

@@ -146,3 +146,21 @@ def test_maybe_quantize() -> None:
     assert maybe_quantize(dense, None) is dense
     assert maybe_quantize(dense, 16).keys.dtype == torch.bfloat16
     assert isinstance(maybe_quantize(dense, 4), QuantPayload)
+
+
+def test_pre_rope_keys_roundtrip_through_absolute_rotation() -> None:
+    """unrotate_keys(k, start) rotated to start..start+n-1 gives k back (what place() does with such keys)."""
+    from conftest import make_tiny_model
+
+    from kvboost_core.quant import unrotate_keys
+    from kvboost_core.rope import delta_cos_sin, rerotate
+
+    rot = make_tiny_model("llama").model.rotary_emb
+    k = torch.randn(2, 2, 40, 16, generator=torch.Generator().manual_seed(3))  # (L, H, n, D)
+    pre = unrotate_keys(k, 100, rot)
+    assert not torch.allclose(pre, k, atol=1e-3)
+    cos, sin = delta_cos_sin(rot, torch.arange(100, 140))
+    assert torch.allclose(rerotate(pre, cos, sin), k, atol=1e-5)
+    q = maybe_quantize(DensePayload(k, k), 8, 32, start=100, rotary_emb=rot)
+    assert isinstance(q, QuantPayload) and q.keys_pre_rope
+    assert not maybe_quantize(DensePayload(k, k), 8, 32).keys_pre_rope

@@ -22,18 +22,12 @@ def _prompts(tok, n=240):
     return [ids[:n_] + [ids[(n_ * 13) % len(ids)]] for n_ in lengths]
 
 
-# Issue goals: int8 top-1 >= 99.5%, int4 >= 97%. Measured across CI runs: int8 98.75-99.58% (flips at near ties),
-# int4 85.4-88% (it moves with float-level changes upstream of quantization). The floors guard against a broken
-# quantizer (which lands far lower) with a few flips of headroom so run-to-run noise cannot turn CI red; the
-# shortfall against the goals is reported in the README and printed with the figures, not hidden.
-@pytest.mark.parametrize("bits,goal", [(8, 0.98), (4, 0.80)])
-def test_quantized_exact_prefix_fidelity(stories, report, bits, goal):
+def _exact_prefix_run(model, tok, bits, prompts):
     from kvboost_core import Segment
 
-    model, tok = stories
     eng = KVEngine(model, tok, chunk_size=16, boundary_window=0, kv_bits=bits, sink_tokens=0)
     kls, agree, reused, margins = [], [], 0, []
-    for ids in _prompts(tok):
+    for ids in prompts:
         prefix = [Segment(token_ids=ids[:-1])]
         eng.prefill(prefix)  # stores the prefix's chunks (quantized)
         hit = eng.prefill([Segment(token_ids=ids[:-1]), Segment(token_ids=ids[-1:])])
@@ -45,6 +39,18 @@ def test_quantized_exact_prefix_fidelity(stories, report, bits, goal):
         if not c["top1_agree"]:
             top2 = torch.topk(ref, 2).values
             margins.append(float(top2[0] - top2[1]))
+    return eng, kls, agree, reused, margins
+
+
+# Issue goals: int8 top-1 >= 99.5%, int4 >= 97%. Measured with pre-RoPE key storage: int8 99.2% (flips at near
+# ties, margins < 0.01), int4 89.2% top-1, mean KL 0.029 (post-RoPE storage was 85.4-88%, KL 0.068-0.089; the
+# figures move with float-level changes upstream of quantization). The floors guard against a broken quantizer
+# (which lands far lower) with headroom for run-to-run noise; the shortfall against the goals is reported in the
+# README and printed with the figures, not hidden.
+@pytest.mark.parametrize("bits,goal,max_kl", [(8, 0.98, 1e-3), (4, 0.84, 0.05)])
+def test_quantized_exact_prefix_fidelity(stories, report, bits, goal, max_kl):
+    model, tok = stories
+    eng, kls, agree, reused, margins = _exact_prefix_run(model, tok, bits, _prompts(tok))
     top1 = statistics.fmean(agree)
     quantized = [b for b in eng.store._blocks.values() if b.base_position > 0]  # the start chunk stays dense
     bpt = bytes_per_token(quantized[0].payload)
@@ -53,6 +59,23 @@ def test_quantized_exact_prefix_fidelity(stories, report, bits, goal):
                   f"reference top-1 margins where it flipped: {[round(m, 4) for m in margins]}")
     assert reused > 0
     assert top1 >= goal
+    assert statistics.fmean(kls) <= max_kl
+
+
+def test_pre_rope_key_storage_beats_post_rope_at_int4(stories, report, monkeypatch):
+    """Side by side on the same prompts: keys quantized before RoPE (the default) vs after it."""
+    import kvboost_core.engine as engine_mod
+
+    model, tok = stories
+    prompts = _prompts(tok, 80)
+    _, kl_pre, *_ = _exact_prefix_run(model, tok, 4, prompts)
+    real = engine_mod.maybe_quantize
+    monkeypatch.setattr(engine_mod, "maybe_quantize", lambda d, b, g, **kw: real(d, b, g))  # post-RoPE keys
+    _, kl_post, *_ = _exact_prefix_run(model, tok, 4, prompts)
+    pre, post = statistics.fmean(kl_pre), statistics.fmean(kl_post)
+    report.append(f"stories260K int4 exact-prefix mean KL, {len(prompts)} prompts: pre-RoPE keys {pre:.2e} vs "
+                  f"post-RoPE keys {post:.2e} ({post / pre:.1f}x)")
+    assert pre < 0.8 * post
 
 
 def test_quantized_payload_roundtrip_is_used_by_engine(stories):

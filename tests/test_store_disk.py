@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -51,6 +52,10 @@ def test_serialize_roundtrip(bits: int | None) -> None:
     b = make_block(5, 37, bits=bits, parent=key(77))
     back = loads(dumps(key(5), b), key=key(5), fingerprint=FP)
     assert same(b, back) and type(back.payload) is type(b.payload)
+    if bits is not None:  # the pre-RoPE flag travels with the entry (it decides how keys are placed)
+        assert back.payload.keys_pre_rope is False
+        pre = dataclasses.replace(b, payload=dataclasses.replace(b.payload, keys_pre_rope=True))
+        assert loads(dumps(key(5), pre), key=key(5), fingerprint=FP).payload.keys_pre_rope is True
     with pytest.raises(CorruptEntry):
         loads(dumps(key(5), b), key=key(6))  # served under another key
 

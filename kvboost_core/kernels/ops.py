@@ -130,11 +130,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int = 3
     return reference.quantize_kv(k, v, bits, group_size)
 
 
-def quantize_payload(dense: DensePayload, bits: int, group_size: int = 32) -> QuantPayload:
+def quantize_payload(dense: DensePayload, bits: int, group_size: int = 32, keys_pre_rope: bool = False
+                     ) -> QuantPayload:
     """Drop-in for ``kvboost_core.quant.quantize_payload`` running the native kernel."""
     kc, ks, km, vc, vs, vm = quantize_kv(dense.keys, dense.values, bits, group_size)
     return QuantPayload(bits=bits, group_size=group_size, head_dim=int(dense.keys.shape[3]), k_codes=kc,
-                        k_scale=ks, k_min=km, v_codes=vc, v_scale=vs, v_min=vm)
+                        k_scale=ks, k_min=km, v_codes=vc, v_scale=vs, v_min=vm, keys_pre_rope=keys_pre_rope)
 
 
 # -- CacheBlend selection ------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def _payload_tensors(payload: Any) -> tuple[dict[str, torch.Tensor], dict[str, s
     if isinstance(payload, QuantPayload):
         return payload.tensors(), {"payload": "quant", "bits": str(payload.bits),
                                    "group_size": str(payload.group_size), "head_dim": str(payload.head_dim),
-                                   "num_tokens": str(payload.num_tokens)}
+                                   "num_tokens": str(payload.num_tokens),
+                                   "keys_pre_rope": "1" if payload.keys_pre_rope else "0"}
     if not isinstance(payload, DensePayload):
         # An unknown payload type: store what it decodes to, losslessly in float32.
         payload = DensePayload(*payload.to_dense(torch.float32, "cpu"))
@@ -126,7 +127,8 @@ def _decode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVBlock:
 
         payload = QuantPayload(bits=int(meta["bits"]), group_size=int(meta["group_size"]),
                                head_dim=int(meta["head_dim"]), **{k: tensors[k] for k in (
-                                   "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")})
+                                   "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")},
+                               keys_pre_rope=meta.get("keys_pre_rope", "0") == "1")
     elif meta["payload"] == "dense":
         payload = DensePayload(tensors["k"], tensors["v"])
     else:
