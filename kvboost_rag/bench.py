@@ -3,7 +3,8 @@
 Workload A (RAG): a warmed corpus; each query takes ``n`` documents in a new order after a fixed system prompt,
 plus a fresh question. Methods run alternately on the same prompts, so drift on a shared machine hits all of
 them alike; medians and ratios against full prefill are reported. TTFT counts from the call's start and
-includes lookup, re-rotation, dequantization and repair.
+includes lookup, re-rotation, dequantization and repair. With the ``bench`` extra installed, the PyPI package
+``kvboost`` 0.9.0 (an unrelated project) runs beside them on the same model and prompts: see ``bench_peer``.
 
 Workload B (chat): an 8-turn conversation; per turn, TTFT of ours against full prefill and exact-prefix caching.
 
@@ -20,6 +21,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -114,26 +116,63 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
+def word_vocab(tok: Any, limit: int = 4096) -> list[int]:
+    """Token ids that decode to one space-led word and re-encode to themselves. A byte-level BPE splits before
+    each space, so any sequence of them decodes to text that re-tokenizes to the same ids."""
+    texts = tok.batch_decode([[i] for i in range(len(tok))])
+    cand = [(i, t) for i, t in enumerate(texts) if re.fullmatch(r" [A-Za-z]{1,16}", t)]
+    enc = tok([t for _, t in cand], add_special_tokens=False)["input_ids"] if cand else []
+    return [i for (i, _), e in zip(cand, enc) if list(e) == [i]][:limit]
+
+
 def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
-               seed: int = 0) -> dict[str, Any]:
+               seed: int = 0, system_tokens: int = 32) -> dict[str, Any]:
     from kvboost_core import Segment
+    from kvboost_rag.bench_peer import load_peer, peer_chunk_size, summarize
 
     rng = random.Random(seed)
-    lo, hi = 10, len(engine.tokenizer) - 1
+    # Documents, system prompt and questions are random words of the tokenizer's vocabulary (word_vocab), so
+    # the text-only peer gets a prompt that tokenizes to exactly the ids our engine sees. A tokenizer with too
+    # few such words (SentencePiece: a lone token decodes without its space) falls back to raw random ids.
+    vocab = word_vocab(engine.tokenizer)
+    text_ok = len(vocab) >= 16
+    if not text_ok:
+        vocab = list(range(10, len(engine.tokenizer) - 1))
     n_corpus = max(sizes) + 4
-    corpus = [[rng.randrange(lo, hi) for _ in range(doc_tokens)] for _ in range(n_corpus)]
-    system = [rng.randrange(lo, hi) for _ in range(32)]
+    corpus = [[rng.choice(vocab) for _ in range(doc_tokens)] for _ in range(n_corpus)]
+    lead = engine.tokenize_ids([Segment(token_ids=[vocab[0]])])[:-1]  # BOS, when the tokenizer adds one
+    if system_tokens <= len(lead):
+        raise ValueError(f"system_tokens must exceed the {len(lead)} lead token(s), got {system_tokens}")
+    system = [rng.choice(vocab) for _ in range(system_tokens - len(lead))]  # lead + system: system_tokens
     warm_s, _ = _timed(lambda: engine.warm([Segment(token_ids=d) for d in corpus]))
     apc = ExactPrefixCache(engine.model)
     # the cold path: our engine with an empty store that is never written (no hit of any kind)
     cold_engine = type(engine)(engine.model, engine.tokenizer, engine.config.with_(store="memory",
                                                                                    store_prefix=False))
-    rows: dict[int, dict[str, list[dict[str, float]]]] = {n: defaultdict(list) for n in sizes}
-    methods = ["full", "prefix_cache", "cold", *REUSE_METHODS, "exact_repeat"]
+    cfg = engine.config
+    chunk = peer_chunk_size(system_tokens, doc_tokens)
+    peer, peer_info = (load_peer(engine.model, engine.tokenizer, lead, chunk, cfg.recompute_ratio,
+                                 cfg.max_cache_bytes) if text_ok
+                       else (None, "the tokenizer has no text-stable word vocabulary for the peer"))
+    peer_name = peer.name if peer is not None else ""  # kept after a failure: its rounds are then skipped
+
+    def peer_failed(exc: Exception, where: str) -> None:  # its errors are recorded, never fatal to ours
+        nonlocal peer, peer_info
+        assert peer is not None
+        peer_info = {**peer.finish(), "error": f"{where}: {type(exc).__name__}: {exc}"}
+        peer = None
+
+    if peer is not None:
+        try:
+            peer.warm(system, corpus)
+        except Exception as exc:
+            peer_failed(exc, "warm")
+    rows: dict[int, dict[str, list[dict[str, Any]]]] = {n: defaultdict(list) for n in sizes}
+    methods = ["full", "prefix_cache", "cold", *REUSE_METHODS, *([peer_name] if peer else []), "exact_repeat"]
     for r in range(rounds):
         for n in sizes:
             docs = rng.sample(corpus, n)
-            question = [rng.randrange(lo, hi) for _ in range(question_tokens)]
+            question = [rng.choice(vocab) for _ in range(question_tokens)]
             segs = ([Segment(token_ids=system)] + [Segment(token_ids=d, cacheable=True) for d in docs]
                     + [Segment(token_ids=question)])
             ids = engine.tokenize_ids(segs)
@@ -154,25 +193,35 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
                     engine.generate(segs, max_new_tokens=1, repair="cacheblend")  # stores the repaired prefix
                     res = engine.generate(segs, max_new_tokens=1, repair="cacheblend", store_prefix=False)
                     rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio})
+                elif m == peer_name:
+                    if peer is not None:
+                        try:
+                            rows[n][m].append(peer.first_token(peer.text([system, *docs, question]), ids))
+                        except Exception as exc:
+                            peer_failed(exc, f"generate ({n} documents, round {r + 1})")
                 else:
                     res = engine.generate(segs, max_new_tokens=1, repair=m, store_prefix=False)
                     pre = engine.prefill(segs, repair=m, store_prefix=False)
                     rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio,
-                                       "logits": pre.last_logits})  # type: ignore[dict-item]
+                                       "logits": pre.last_logits})
             assert ref is not None
-            for m in REUSE_METHODS:
-                last = rows[n][m][-1]
-                got = last.pop("logits")  # type: ignore[arg-type]
-                last["kl"] = _kl(ref, got)  # type: ignore[arg-type]
-                last["top1"] = float(int(torch.argmax(ref)) == int(torch.argmax(got)))  # type: ignore[arg-type]
+            for m in (*REUSE_METHODS, *([peer_name] if peer_name else [])):
+                last = rows[n][m][-1] if rows[n][m] else {}
+                if "logits" in last:
+                    got = last.pop("logits")
+                    last["kl"] = _kl(ref, got)
+                    last["top1"] = float(int(torch.argmax(ref)) == int(torch.argmax(got)))
         print(f"  round {r + 1}/{rounds} done", flush=True)
-    out: dict[str, Any] = {"warm_s": warm_s, "corpus_tokens": n_corpus * doc_tokens, "sizes": {}}
+    out: dict[str, Any] = {"warm_s": warm_s, "corpus_tokens": n_corpus * doc_tokens, "sizes": {},
+                           "peer": peer.finish() if peer is not None else peer_info}
     for n in sizes:
-        ctx = len(system) + n * doc_tokens + question_tokens
+        ctx = len(lead) + len(system) + n * doc_tokens + question_tokens
         full_med = statistics.median(x["ttft_s"] for x in rows[n]["full"])
         summary = {}
         for m in methods:
             xs = rows[n][m]
+            if not xs:  # the peer, after it failed
+                continue
             med = statistics.median(x["ttft_s"] for x in xs)
             summary[m] = {"ttft_median_s": med, "speedup_vs_full": full_med / med,
                           "reuse_ratio": statistics.fmean(x["reuse"] for x in xs),
@@ -180,7 +229,14 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
             if "kl" in xs[0]:
                 summary[m]["mean_kl"] = statistics.fmean(x["kl"] for x in xs)
                 summary[m]["top1_agree"] = statistics.fmean(x["top1"] for x in xs)
-        out["sizes"][str(n)] = {"documents": n, "context_tokens": ctx, "methods": summary}
+            if m == peer_name:
+                summary[m].update(summarize(xs))
+        entry: dict[str, Any] = {"documents": n, "context_tokens": ctx, "methods": summary}
+        if peer_name in summary:
+            ratio = summary[peer_name]["ttft_median_s"] / summary["cacheblend"]["ttft_median_s"]
+            entry["ours_cacheblend_vs_peer_cacheblend"] = ratio
+            out.setdefault("ours_cacheblend_vs_peer_cacheblend", {})[str(n)] = ratio
+        out["sizes"][str(n)] = entry
     return out
 
 
@@ -220,8 +276,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     sizes = result["workload_a"]["sizes"]
     ctx = [v["context_tokens"] for v in sizes.values()]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in next(iter(sizes.values()))["methods"]:
-        ax.plot(ctx, [v["methods"][m]["ttft_median_s"] for v in sizes.values()], marker="o", label=m)
+    for m in dict.fromkeys(m for v in sizes.values() for m in v["methods"]):  # the peer may miss a size
+        pts = [(c, v["methods"][m]["ttft_median_s"]) for c, v in zip(ctx, sizes.values())
+               if m in v["methods"]]
+        ax.plot(*zip(*pts), marker="o", label=m)
     ax.set_xlabel("context tokens")
     ax.set_ylabel("TTFT, median (s)")
     ax.set_yscale("log")
@@ -242,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="2,4,8", help="documents per query, comma-separated")
     ap.add_argument("--doc-tokens", type=int, default=512)
     ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--system-tokens", type=int, default=32, help="system prompt, lead (BOS) included")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chat-turns", type=int, default=8, help="0 skips workload B")
     ap.add_argument("--json", dest="json_path")
@@ -263,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": {"chunk_size": engine.config.chunk_size, "recompute_ratio": engine.config.recompute_ratio,
                    "select": engine.config.select, "overlap_k": engine.config.overlap_k,
                    "sink_tokens": engine.config.sink_tokens},
-        "workload_a": workload_a(engine, sizes, args.rounds, args.doc_tokens, args.question_tokens),
+        "workload_a": workload_a(engine, sizes, args.rounds, args.doc_tokens, args.question_tokens,
+                                 system_tokens=args.system_tokens),
     }
     if args.chat_turns:
         result["workload_b"] = workload_b(engine, args.chat_turns)
@@ -273,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             extra = f"  KL {s['mean_kl']:.4f} top-1 {s['top1_agree']:.0%}" if "mean_kl" in s else ""
             print(f"  {m:<13} TTFT {s['ttft_median_s'] * 1000:9.1f} ms  x{s['speedup_vs_full']:6.2f} vs full"
                   f"  reuse {s['reuse_ratio']:.0%}{extra}")
+        if "ours_cacheblend_vs_peer_cacheblend" in v:
+            print(f"  peer TTFT / our cacheblend TTFT: {v['ours_cacheblend_vs_peer_cacheblend']:.2f}")
+    peer = result["workload_a"]["peer"]
+    print(f"\npeer: {peer}" if isinstance(peer, str) else f"\npeer {peer['method']}: "
+          f"{peer.get('error', 'ran')}; chunk_size {peer['chunk_size']}, warm {peer.get('warm_s', 0):.2f} s")
     if "workload_b" in result:
         print("\nchat turn  prompt  ours ms  full ms  prefix-cache ms")
         for t in result["workload_b"]["turns"]:
