@@ -17,6 +17,7 @@
 
 #include "../kvboost.h"
 #include "convert.h"
+#include "simd_avx2.h"
 
 namespace kvboost {
 namespace {
@@ -160,12 +161,17 @@ static void run(const Args& a) {
   constexpr bool kQuant = S == Src::kInt8 || S == Src::kInt4;
   const int64_t nb = (a.length + kTokenBlock - 1) / kTokenBlock;
   const int64_t dc = S == Src::kInt4 ? (a.D + 1) / 2 : a.D;
+  // The AVX2 row path needs whole 8-lane blocks: head_dim, the rotary half and V's channel groups.
+  constexpr bool kVecDst = !std::is_same_v<Dst, c10::Half>;
+  const bool vec = kVecDst && a.D % 8 == 0 && (a.cos == nullptr || a.R % 16 == 0) && (!kQuant || a.G % 8 == 0);
+  (void)vec;
   at::parallel_for(0, a.L * a.H * nb, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float x[kMaxHeadDim];
     alignas(64) float ksc[kMaxHeadDim];
     alignas(64) float kmn[kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t l = item / (a.H * nb), h = (item / nb) % a.H, blk = item % nb;
+      // token-block major: one thread walks every (layer, head) of a block while its cos/sin rows stay in L1/L2
+      const int64_t blk = item / (a.L * a.H), l = (item / a.H) % a.L, h = item % a.H;
       const int64_t t0 = blk * kTokenBlock, t1 = std::min(a.length, t0 + kTokenBlock);
       Dst* dk = static_cast<Dst*>(a.dk[l]) + h * a.dks[2 * l];
       Dst* dv = static_cast<Dst*>(a.dv[l]) + h * a.dvs[2 * l];
@@ -176,6 +182,7 @@ static void run(const Args& a) {
         const float* cs = a.cos ? a.cos + t * a.R : nullptr;
         const float* sn = a.sin ? a.sin + t * a.R : nullptr;
         if constexpr (kQuant) {
+          constexpr int kBits = S == Src::kInt8 ? 8 : 4;
           const int64_t row = (l * a.H + h) * a.n + s;  // codes are contiguous (L, H, n, Dc)
           const int64_t g = s / a.G;
           if (g != cur_group) {  // K scale/min change every G tokens: convert that row once
@@ -186,14 +193,34 @@ static void run(const Args& a) {
             }
             cur_group = g;
           }
-          load_k_quant<S == Src::kInt8 ? 8 : 4>(static_cast<const uint8_t*>(a.k) + row * dc, ksc, kmn, x, a.D);
+          const uint8_t* kcode = static_cast<const uint8_t*>(a.k) + row * dc;
+          const uint8_t* vcode = static_cast<const uint8_t*>(a.v) + row * dc;
+#ifdef __AVX2__
+          if constexpr (kVecDst) {
+            if (vec) {
+              avx2::place_k_quant<kBits, Dst>(kcode, ksc, kmn, dk + d * dkt, a.D, a.R, cs, sn);
+              avx2::place_v_quant<kBits, Dst>(vcode, a.v_scale + row * a.ngd, a.v_min + row * a.ngd, dv + d * dvt,
+                                              a.D, a.G, a.ngd);
+              continue;
+            }
+          }
+#endif
+          load_k_quant<kBits>(kcode, ksc, kmn, x, a.D);
           emit_row<Dst>(x, dk + d * dkt, a.D, a.R, cs, sn);
-          load_v_quant<S == Src::kInt8 ? 8 : 4>(static_cast<const uint8_t*>(a.v) + row * dc, a.v_scale + row * a.ngd,
-                             a.v_min + row * a.ngd, x, a.D, a.G, a.ngd);
+          load_v_quant<kBits>(vcode, a.v_scale + row * a.ngd, a.v_min + row * a.ngd, x, a.D, a.G, a.ngd);
           emit_row<Dst>(x, dv + d * dvt, a.D, a.R, nullptr, nullptr);
         } else {
           const T* kp = static_cast<const T*>(a.k) + l * a.ks0 + h * a.ks1 + s * a.ks2;
           const T* vp = static_cast<const T*>(a.v) + l * a.vs0 + h * a.vs1 + s * a.vs2;
+#ifdef __AVX2__
+          if constexpr (kVecDst) {
+            if (vec) {
+              avx2::place_dense<T, Dst>(kp, dk + d * dkt, a.D, a.R, cs, sn);
+              avx2::place_dense<T, Dst>(vp, dv + d * dvt, a.D, a.R, nullptr, nullptr);
+              continue;
+            }
+          }
+#endif
           load_dense<T>(kp, x, a.D);
           emit_row<Dst>(x, dk + d * dkt, a.D, a.R, cs, sn);
           load_dense<T>(vp, x, a.D);
