@@ -32,10 +32,11 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-MODEL_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+MODEL_SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=10000.0)
-ANSWER_WEIGHT = 1.0
-OTHER_WEIGHT = 0.05  # document text is mostly random names (unpredictable noise): answers must dominate
+# Loss weight per piece kind. Answers are the signal; a question's entity is a copy of a document's (cheap
+# extra copy practice); document text is mostly random names, i.e. unpredictable noise.
+WEIGHTS = {"answer": 1.0, "question": 0.3, "context": 0.1}
 FLOOR_MARGIN = 0.05
 TEST_QUESTIONS = 60  # how many held-out questions tests/test_demo_model.py asks
 
@@ -59,64 +60,106 @@ def build_tokenizer(vocab_size: int, seed: int) -> Any:
     return fast
 
 
-def build_model(tok: Any) -> Any:
+def build_model(tok: Any, eager: bool = False) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **MODEL_SHAPE)
+    if eager:  # copy supervision reads one head's attention probabilities (2-3x slower steps)
+        cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
+
+
+def copyable_ids(tok: Any) -> torch.Tensor:
+    """Bool over the vocabulary: entity words, years, jobs and organisation kinds (the tokens answers copy)."""
+    mask = torch.zeros(len(tok), dtype=torch.bool)
+    for w in [*dd.WORDS, *map(str, dd.YEARS), *dd.JOBS, *dd.ORG_KINDS]:
+        mask[tok(" " + w, add_special_tokens=False)["input_ids"]] = True
+    return mask
 
 
 def encode_sample(tok: Any, sample: dd.TrainingSample) -> tuple[list[int], list[float]]:
     """Token ids (BOS, pieces, EOS) and per-token loss weights (for the token at that position)."""
     ids = [tok.bos_token_id]
     weights = [0.0]
-    for text, is_answer in sample.pieces:
+    for text, kind in sample.pieces:
         piece = tok(text, add_special_tokens=False)["input_ids"]
         ids += piece
-        weights += [ANSWER_WEIGHT if is_answer else OTHER_WEIGHT] * len(piece)
+        weights += [WEIGHTS[kind]] * len(piece)
     ids.append(tok.eos_token_id)
-    weights.append(ANSWER_WEIGHT)
+    weights.append(WEIGHTS["answer"])
     return ids, weights
 
 
 def drill_sample(rng: random.Random) -> dd.TrainingSample:
-    """1-3 documents, then the same documents again: a short-range, dense copying signal. Induction (copy
-    what followed this token last time) is the circuit answering is built on, and a small model trained for
-    minutes does not find it from the answers alone (the loss sat flat for 25 minutes of QA-only training)."""
-    world = dd.make_world(rng, dd.NameSource(rng, heldout=False), 2, 2, 2)
-    docs = dd.world_documents(world, rng)
-    rng.shuffle(docs)
-    texts = [d.text for d in docs[: rng.randint(1, 3)]]
-    again = list(texts)
-    rng.shuffle(again)
-    head = dd.PROMPT_HEAD + dd.DOC_SEPARATOR.join(texts)
-    return dd.TrainingSample(head, [(head, False), ("\nRepeat:\n\n" + dd.DOC_SEPARATOR.join(again) + "\n", True)],
-                             [])
+    """A copy drill: 8-40 random entity words, then the same words again (loss on the copy). Pure induction,
+    which a fresh model learns in about 200 steps here; question answering then builds on those heads
+    (without drills the model sat at guessing level for 45 CPU-minutes)."""
+    words = " " + " ".join(rng.choices(dd.WORDS, k=rng.randint(8, 40)))
+    return dd.TrainingSample("", [(words, "context"), (words, "answer")], [])
 
 
-def make_batch(tok: Any, rng: random.Random, batch_size: int, drill: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    make = drill_sample if drill else dd.training_sample
-    rows = [encode_sample(tok, make(rng)) for _ in range(batch_size)]
+def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8, drill_share: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, loss weights, answer mask): right-padded; the mask marks answer tokens for accuracy tracking."""
+    rows = []
+    qa_rows = torch.ones(batch_size, 1, dtype=torch.bool)  # accuracy is tracked on question answers only
+    for b in range(batch_size):
+        if rng.random() < drill_share:
+            rows.append(encode_sample(tok, drill_sample(rng)))
+            qa_rows[b] = drill_share >= 1.0  # drill-only batches report their copy accuracy
+            continue
+        sample = dd.training_sample(rng, min_docs=min(3, max_docs), max_docs=max_docs)
+        ids, w = encode_sample(tok, sample)
+        rows.append((ids, w))
     width = max(len(ids) for ids, _ in rows)
     ids_t = torch.full((batch_size, width), tok.pad_token_id, dtype=torch.long)
     w_t = torch.zeros((batch_size, width))
     for i, (ids, w) in enumerate(rows):
         ids_t[i, : len(ids)] = torch.tensor(ids)
         w_t[i, : len(w)] = torch.tensor(w)
-    return ids_t, w_t
+    return ids_t, w_t, (w_t == WEIGHTS["answer"]) & qa_rows
 
 
-def weighted_loss(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def copy_supervision(attn: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean -log(attention mass on earlier copies of the next token) over the ``targets`` positions.
+
+    ``attn`` (B, T, T) is one head's probabilities. Where the next token to predict is an entity that already
+    occurred (an answer read from a document, a drill's copy), the head is told where to look: any earlier
+    occurrence of that token. A pointer this direct is learned in a few hundred steps; found only through
+    the answer loss, the same lookup took longer than this CPU budget allows."""
+    nxt = ids[:, 1:]  # (B, T-1): the token each position predicts
+    T = ids.shape[1]
+    same = ids[:, None, :] == nxt[:, :, None]  # (B, T-1, T): key j holds position p's next token
+    same &= torch.ones(T - 1, T, dtype=torch.bool).tril()  # causal: j <= p
+    valid = targets[:, 1:] & same.any(-1)  # (B, T-1)
+    if not bool(valid.any()):
+        return attn.new_zeros(())
+    mass = (attn[:, :-1, :] * same).sum(-1)  # (B, T-1)
+    return -mass[valid].clamp_min(1e-6).log().mean()
+
+
+def weighted_loss(model: Any, ids: torch.Tensor, weights: torch.Tensor, answers: torch.Tensor,
+                  copyable: torch.Tensor | None = None, aux: float = 0.0) -> tuple[torch.Tensor, float]:
+    """(weighted NLL + ``aux`` x copy supervision of the last layer's first head, teacher-forced accuracy on
+    answer tokens)."""
     mask = (weights > 0).long()
     mask[:, 0] = 1  # BOS is attended to (the sink) though it is not predicted
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    out = model(input_ids=ids, attention_mask=mask, output_attentions=aux > 0)
+    logits = out.logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                             reduction="none").view(ids.shape[0], -1)
     w = weights[:, 1:]
-    return (nll * w).sum() / w.sum()
+    a = answers[:, 1:]
+    acc = float((logits.argmax(-1) == ids[:, 1:])[a].float().mean()) if a.any() else float("nan")
+    loss = (nll * w).sum() / w.sum()
+    if aux > 0 and copyable is not None:
+        # supervised positions: those predicting a copyable token with answer weight (answers, drill copies)
+        # token t is a target when it is copyable and weighted as an answer; position t-1 predicts it
+        targets = (weights == WEIGHTS["answer"]) & torch.nn.functional.pad(copyable[ids[:, 1:]], (1, 0))
+        loss = loss + aux * copy_supervision(out.attentions[-1][:, 0].float(), ids, targets)
+    return loss, acc
 
 
 def lr_at(frac: float, peak: float, warmup: float = 0.03) -> float:
@@ -134,7 +177,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     if args.resume and ckpt.exists():
         tok = AutoTokenizer.from_pretrained(out)
-        model = build_model(tok)
+        model = build_model(tok, eager=args.copy_aux > 0)
         state = torch.load(ckpt, weights_only=False)
         model.load_state_dict(state["model"])
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
@@ -148,11 +191,12 @@ def train(args: argparse.Namespace, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(out)
         tok = AutoTokenizer.from_pretrained(out)
-        model = build_model(tok)
+        model = build_model(tok, eager=args.copy_aux > 0)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
         step, elapsed0, rng_state = 0, 0.0, None
         budget = args.minutes * 60
         phase0 = 0.0
+    copyable = copyable_ids(tok)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, budget {budget / 60:.1f} min", flush=True)
     rng = random.Random(args.seed + 1)
@@ -161,14 +205,20 @@ def train(args: argparse.Namespace, out: Path) -> None:
     model.train()
     t0 = time.time() - elapsed0
     losses: list[float] = []
+    accs: list[float] = []
     last_save = time.time()
     tokens = 0
     while (elapsed := time.time() - t0) < budget:
         for g in opt.param_groups:
             g["lr"] = lr_at((elapsed - phase0) / (budget - phase0), args.lr, warmup=0.05)
-        drill = rng.random() < args.drill_share
-        ids, w = make_batch(tok, rng, args.batch * 2 if drill else args.batch, drill=drill)
-        loss = weighted_loss(model, ids, w)
+        # Curriculum: 1-2 documents first (a lookup without distractors), growing to 3-8 over the first
+        # ``--curriculum`` share of the time box.
+        frac = (elapsed - phase0) / (budget - phase0)
+        max_docs = 8 if args.curriculum <= 0 else min(8, 2 + int(6 * frac / args.curriculum))
+        # Phase 1: copy drills only, until induction heads exist (~150-250 steps); QA builds on them.
+        share = 1.0 if step < args.drill_steps else args.drill_share
+        ids, w, ans = make_batch(tok, rng, args.batch, max_docs, share)
+        loss, acc = weighted_loss(model, ids, w, ans, copyable, args.copy_aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -176,8 +226,10 @@ def train(args: argparse.Namespace, out: Path) -> None:
         step += 1
         tokens += int(ids.numel())
         losses.append(float(loss))
+        accs.append(acc)
         if step % 25 == 0:
             print(f"step {step} t={elapsed / 60:.1f}m loss {statistics.fmean(losses[-25:]):.4f} "
+                  f"answer-token acc {statistics.fmean(accs[-25:]):.3f} "
                   f"lr {opt.param_groups[0]['lr']:.2e} tok/s {tokens / max(elapsed - elapsed0, 1e-9):.0f}",
                   flush=True)
         if time.time() - last_save > 300:
@@ -228,11 +280,19 @@ def evaluate(out: Path, n: int, repairs: tuple[str, ...]) -> dict[str, Any]:
         # how often reuse changes the answer at all: meaningful even where the answers are wrong
         same = sum(a == b for a, b in zip(answers["full"], answers["cacheblend"], strict=True))
         res["agreement"] = round(same / len(qs), 4)
+    closed = dd.evaluate_closed_book(rag, qs)
+    res["closed_book"] = {"accuracy": round(dd.accuracy(closed), 4)}
+    print("closed book", res["closed_book"], flush=True)
     return res
 
 
 def _pct(x: float) -> str:
     return f"{x:.1%}"
+
+
+def _row(name: str, m: dict[str, Any]) -> str:
+    return (f"| {name} | {_pct(m['accuracy'])} | {_pct(m['single_hop'])} | {_pct(m['two_hop'])} | "
+            f"{_pct(m['mean_reuse_ratio'])} |")
 
 
 def write_card(out: Path, metrics: dict[str, Any]) -> None:
@@ -243,94 +303,80 @@ def write_card(out: Path, metrics: dict[str, Any]) -> None:
     size = (out / "model.safetensors").stat().st_size
     n_params = size // 4  # fp32 weights, embeddings tied (stored once)
     train = metrics.get("training", {})
-    full, blend, sub = metrics["full"], metrics["cacheblend"], metrics["test_subset"]["full"]
+    sub = metrics["test_subset"]
     docs = dd.load_corpus(out)
     qs = dd.load_heldout(out)
-    status = ""
-    if full["accuracy"] < 0.2:
-        status = f"""
-> **Status: this model does not answer the questions.** Held-out accuracy is {_pct(full["accuracy"])}
-> (full prefill), about what guessing a plausible answer of the right type gives. It learned the prompt
-> format and the answer types (a year for "which year", a job for "what is the job", an invented name
-> otherwise) but never learned to copy from its documents (no induction) in {train.get("train_minutes", "?")}
-> minutes on one shared CPU core. The accuracy floor is therefore {_pct(metrics["floor"])}, i.e. that check
-> is trivial; what the test still checks meaningfully is shape, size, document reuse, and that CacheBlend
-> gives the full-prefill answer on at least {_pct(metrics["agreement_floor"])} of the questions.
-"""
+    rows = [_row("full prefill", metrics["full"]), _row("cacheblend, ratio 0.15 (default)", metrics["cacheblend"])]
+    if "none" in metrics:
+        rows.append(_row("reuse without repair (`repair=\"none\"`)", metrics["none"]))
+    table = "\n".join(rows)
     card = f"""# kvboost-rag embedded demo model
 
-A small Llama-architecture model trained from scratch on CPU, meant to answer questions from retrieved
-documents so that `kvboost-rag demo` and the tests can show real answers with and without KV reuse,
-offline, in seconds. It knows nothing about the world: it could only copy or combine facts from its prompt.
-{status}
+A small Llama-architecture model trained from scratch on CPU by `scripts/train_demo_model.py`, to answer
+questions from retrieved documents, so that `kvboost-rag demo` and the tests can show real answers with and
+without KV reuse, offline. It knows nothing about the world: it can only copy or combine facts from its prompt.
+
 ## Architecture
 - `LlamaForCausalLM`: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size},
   {cfg.num_attention_heads} attention heads / {cfg.num_key_value_heads} KV heads (GQA), head dim {cfg.head_dim},
-  RoPE theta {int(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None) else 10000},
-  max positions {cfg.max_position_embeddings}, tied embeddings.
+  RoPE theta 10000, max positions {cfg.max_position_embeddings}, tied embeddings.
 - {n_params / 1e6:.2f}M parameters, fp32 safetensors of {size / 2**20:.1f} MiB.
-- Tokenizer: byte-level BPE, vocabulary {cfg.vocab_size} (trained on the generated text), BOS `<s>` added in
-  front, EOS `</s>`, pad `<pad>`, and a simple `<|role|>` chat template (not used in training).
+- Tokenizer: byte-level BPE, vocabulary {cfg.vocab_size}, trained on the generated text so that every
+  invented name, year, job and organisation kind is one token after a space; BOS `<s>` in front, EOS
+  `</s>`, pad `<pad>`, and a simple `<|role|>` chat template (not used in training).
 
 ## Data (all generated, seeded; `kvboost_rag/demo_data.py`)
-- Invented worlds of cities (country, river), organisations (city, founding year, founder) and people (birth
-  city and year, job, employer), named from random syllables. Each document states one entity's facts in
-  one of two phrasings, e.g. "X is located in the city of Y. It was founded in 1873 by Z.".
-- Each training sequence is a fresh random world: 3-8 of its documents in random order (the others'
-  entities act as distractors), then 2-8 questions (1-6 in the first run), about a third two-hop when possible (e.g. "In which
-  country was P born?" needs P's document and the city's). Format:
-  `<s>Documents:\\n\\n<doc>\\n\\n<doc>...\\n\\nQuestion: ...\\nAnswer: <answer>\\n`, ending in `</s>`.
-  Sequences are 105-390 tokens (median about 240). Loss on all tokens, answer tokens weighted {ANSWER_WEIGHT / OTHER_WEIGHT:.0f}x the rest (5x in the first run).
-  Later runs add copy signal (see Training): documents repeated after the questions, and copy drills.
-- **Held out**: a stable hash reserves 1 in {dd.HOLDOUT_MOD} possible names; training never uses them. The bundled corpus
-  (`corpus.jsonl`, {len(docs)} documents: one world of 30 cities, 40 organisations, 60 people) uses only
-  reserved names, and `heldout.jsonl` holds {len(qs)} questions about it (about 30% two-hop) with the gold
-  `doc_ids` and a fixed `context_ids` list (gold plus distractors, 3-8 documents, shuffled).
+- Random worlds of cities (country, river), organisations (city, founding year, founder) and people (birth
+  city and year, job, employer), named from an inventory of {len(dd.WORDS)} invented two-syllable words. Documents:
+  "The city of X is in the country of Y. The river Z flows through X.", "The X Museum is in the city of Y.
+  The X Museum was founded in 1873 by Z.", "The person X was born in Y in 1950. X works as a poet at the Z Bank."
+- Each training sequence is a fresh random world (4 cities, 3 organisations, 4 people): 3-8 of its
+  documents in random order, then up to 16 questions answerable from them, about 35% two-hop when possible.
+  Format: `<s>Documents:\\n\\n<doc>\\n\\n<doc>...\\n\\nQuestion: ...\\nAnswer: <answer>\\n...</s>`. A two-hop
+  answer is written as a chain, `<bridge>, so <answer>` ("In which country was X born?" -> "Kopoul, so
+  Stutam"): each step is then one lookup, the second keyed on the bridge the model has just written, and
+  the second document it needs is found through the first. Correctness is judged on the final answer.
+- Loss weights: answer tokens 1.0, question tokens 0.3 (the entity in a question is a copy from a
+  document), document tokens 0.1 (mostly random names: noise).
+- **Why this measures reading, not memory**: no fact is stable across training sequences (every sequence
+  is a new random world), so there is nothing to memorise; the bundled corpus (`corpus.jsonl`, {len(docs)}
+  documents: 30 cities, 40 organisations, 60 people) is one more world drawn with its own seed, and
+  `heldout.jsonl` holds {len(qs)} questions about it (about 30% two-hop) with gold `doc_ids` and a fixed
+  `context_ids` list (gold plus distractors, 3-8 documents, shuffled). The control below asks the same
+  questions with no documents.
 
 ## Training
-AdamW (betas 0.9/0.95, weight decay 0.05), batch 8 (16 for copy drills), grad clip 1.0, one thread
-(two threads were 5-20x slower on the shared 2-core machine). {train.get("steps", "?")} steps,
-{train.get("train_minutes", "?")} min of CPU training in all; final training loss (weighted, mean of the last
-100 steps) {train.get("final_loss", "?")}. It was trained in four time-boxed runs of this script, each resuming
-the last (`--resume` keeps weights and optimiser state); the data mix changed between runs as the model
-failed to learn in-context copying:
-
-1. `--minutes 40 --threads 1` (stopped at 20 min): questions only, 1-6 per sequence, non-answer tokens
-   weighted 0.2, peak LR 2.5e-3. It learned the format and the answer types but copied nothing
-   (held-out accuracy 0-3%, loss flat from minute 5).
-2. `--resume --minutes 28` (stopped after 5 min): 2-8 questions per sequence, non-answer weight 0.05. Flat.
-3. `--resume --minutes 25` (stopped after 5 min): half the sequences end with the documents repeated
-   ("Repeat:"), weighted as answers. Flat: a repeated name was no more predictable than a new one.
-4. `--resume --minutes 22 --lr 2e-3` (the script's current defaults; stopped after 15 min): half the steps
-   are copy drills (1-3 documents, then the same documents again), LR schedule restarted (warmup, cosine
-   to 10%). Still no copying: on a repeated document the loss fell only from 2.59 to 2.37 nats per token.
-
-Reproducing from scratch: `python scripts/train_demo_model.py --minutes 50 --threads 1` trains with the
-current mix from the start (not what was run, so expect different figures).
+`python scripts/train_demo_model.py --minutes {train.get("train_minutes", "?")} --threads 1`: AdamW (betas 0.9/0.95,
+weight decay 0.05), peak LR 3e-3 with warmup and cosine decay to 10% over the time box, batch 16 sequences,
+grad clip 1.0. {train.get("steps", "?")} steps, {train.get("train_minutes", "?")} CPU-minutes (one thread of a shared 2-core
+machine); final weighted training loss {train.get("final_loss", "?")}. Seeded; the result varies slightly with
+the step count the time box allows.
 
 ## Held-out accuracy
-Exact match of the greedy answer (first line, trimmed, punctuation and case normalised) on the first
-{metrics["questions"]} held-out questions, prompt = the question's `context_ids` documents, corpus warmed:
+Exact match of the greedy answer's final part (first line; after ", so " for chains; trimmed, case and
+punctuation normalised) on the first {metrics["questions"]} held-out questions, prompt = the question's
+`context_ids` documents, whole corpus warmed (`KVBoostRAG` transparent mode):
 
 | prefill | all | single-hop | two-hop | mean reuse ratio |
 |---|---|---|---|---|
-| full (plain full prefill) | {_pct(full["accuracy"])} | {_pct(full["single_hop"])} | {_pct(full["two_hop"])} | {_pct(full["mean_reuse_ratio"])} |
-| cacheblend (default repair) | {_pct(blend["accuracy"])} | {_pct(blend["single_hop"])} | {_pct(blend["two_hop"])} | {_pct(blend["mean_reuse_ratio"])} |
+{table}
 
-On the first {metrics["test_subset"]["questions"]} questions (the subset `tests/test_demo_model.py` asks):
-full prefill {_pct(sub["accuracy"])}, cacheblend {_pct(metrics["test_subset"]["cacheblend"]["accuracy"])}; cacheblend
-gives the same (normalised) answer as full prefill on {_pct(metrics["test_subset"]["agreement"])} of them.
+Closed-book control (same questions, no documents): {_pct(metrics["closed_book"]["accuracy"])}.
+CacheBlend gives the same (normalised) answer as full prefill on {_pct(metrics["agreement"])} of the questions.
 
-**Test floor: {_pct(metrics["floor"])}** (`metrics.json` → `floor`): the full-prefill accuracy
-`tests/test_demo_model.py` requires on those questions, set {_pct(FLOOR_MARGIN)} under the lower measured figure
-(clamped at 0). The test also requires full/cacheblend answer agreement of at least
-{_pct(metrics["agreement_floor"])} (10 points under the measured figure).
+On the first {sub["questions"]} questions (the subset `tests/test_demo_model.py` asks): full prefill
+{_pct(sub["full"]["accuracy"])}, cacheblend {_pct(sub["cacheblend"]["accuracy"])}, agreement {_pct(sub["agreement"])}.
+
+**Test floor: {_pct(metrics["floor"])}** (`metrics.json` -> `floor`): the full-prefill accuracy
+`tests/test_demo_model.py` requires on those questions, {_pct(FLOOR_MARGIN)} under the lower measured figure. The test also
+requires full/cacheblend answer agreement of at least {_pct(metrics["agreement_floor"])} (10 points under the measured
+figure) and a closed-book accuracy far below the open-book one.
 
 ## Limits
 A toy: tiny, trained for minutes, on one narrow prompt format. It answers only questions shaped like the
-training templates about documents shaped like the training documents; anything else gets noise.
-Two-hop questions are much harder for it than single-hop ones. In `kvboost-rag demo` the retriever
-(a hashing bag-of-words embedding) rarely finds the second document of a two-hop question, so the demo asks
+training templates about documents shaped like the training documents; anything else gets noise. Two-hop
+questions are harder for it than single-hop ones. In `kvboost-rag demo` the retriever (a hashing
+bag-of-words embedding) rarely finds the second document of a two-hop question, so the demo asks
 single-hop questions first.
 """
     (out / "MODEL_CARD.md").write_text(card)
@@ -346,10 +392,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from metrics.json")
     p.add_argument("--eval-questions", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--drill-share", type=float, default=0.5, help="share of steps that are copy drills")
-    p.add_argument("--lr", type=float, default=2.5e-3)
-    p.add_argument("--vocab", type=int, default=1536)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--curriculum", type=float, default=0.3,
+                   help="share of the time box over which the documents per sequence grow from 2 to 3-8")
+    p.add_argument("--drill-share", type=float, default=0.2, help="share of sequences that are copy drills")
+    p.add_argument("--drill-steps", type=int, default=900, help="initial steps of copy drills only")
+    p.add_argument("--copy-aux", type=float, default=0.0, help="weight of the copy-supervision loss (0: off)")
+    p.add_argument("--vocab", type=int, default=2400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -360,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.eval_only:
         write_data(args.out)
         train(args, args.out)
-    metrics = evaluate(args.out, args.eval_questions, ("full", "cacheblend"))
+    metrics = evaluate(args.out, args.eval_questions, ("full", "cacheblend", "none"))
     # tests/test_demo_model.py checks the first TEST_QUESTIONS questions against the floor: measure those too
     # and set the floor a few points under the lower of the two figures.
     metrics["test_subset"] = evaluate(args.out, TEST_QUESTIONS, ("full", "cacheblend"))
