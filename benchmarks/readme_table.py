@@ -1,0 +1,76 @@
+"""Markdown tables for the README from a ``kvboost-rag bench --json`` result (figures are never typed in).
+
+    python benchmarks/readme_table.py benchmarks/results/ttft.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+LABELS = {
+    "full": "full prefill (HF `model(ids, logits_to_keep=1)`)",
+    "prefix_cache": "exact-prefix cache (vLLM APC / SGLang style)",
+    "cold": "kvboost cold (no hits)",
+    "none": "kvboost `none` (re-rotated, no repair)",
+    "selective": "kvboost `selective`",
+    "cacheblend": "kvboost `cacheblend` r=0.15 (default)",
+    "exact_repeat": "kvboost exact repeat",
+}
+
+
+def _cell(m: dict[str, Any], method: str) -> str:
+    if method == "full":
+        return f"{m['ttft_median_s']:.2f} s (1x)"
+    return f"{m['speedup_vs_full']:.2f}x ({m['ttft_median_s']:.2f} s)"
+
+
+def workload_a_table(result: dict[str, Any]) -> str:
+    sizes = result["workload_a"]["sizes"]
+    cols = list(sizes.values())
+    methods: list[str] = []
+    for c in cols:
+        methods += [m for m in c["methods"] if m not in methods]
+    head = "| method | " + " | ".join(f"{c['context_tokens']:,} tokens" for c in cols) + " | reuse (largest) |"
+    lines = [head, "|---" * (len(cols) + 2) + "|"]
+    for m in methods:
+        label = LABELS.get(m, f"`{m}` (PyPI peer, timed by us from the call's start)")
+        cells = [_cell(c["methods"][m], m) if m in c["methods"] else "n/a" for c in cols]
+        reuse = cols[-1]["methods"].get(m, {}).get("reuse_ratio")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'' if reuse is None else f'{reuse:.0%}'} |")
+    ratio = result["workload_a"].get("ours_cacheblend_vs_peer_cacheblend")
+    if ratio:
+        lines.append("")
+        lines.append("Peer cacheblend TTFT / ours: " + ", ".join(
+            f"{sizes[n]['context_tokens']:,} tokens {r:.2f}x" for n, r in ratio.items()))
+    return "\n".join(lines)
+
+
+def workload_b_table(result: dict[str, Any]) -> str:
+    b = result.get("workload_b")
+    if not b:
+        return ""
+    turns = b.get("turns") or []
+    if not turns:
+        return json.dumps(b)[:400]
+    keys = [k for k in turns[0] if k.endswith("_s")]
+    lines = ["| turn | prompt tokens | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for i, t in enumerate(turns, 1):
+        lines.append(f"| {i} | {t.get('prompt_tokens', '')} | " + " | ".join(f"{t[k]:.2f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = Path((argv or sys.argv[1:] or ["benchmarks/results/ttft.json"])[0])
+    result = json.loads(path.read_text())
+    print(f"Model: {result.get('model')}; date {result.get('date')}; machine {result.get('machine')}\n")
+    print(workload_a_table(result))
+    print()
+    print(workload_b_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
