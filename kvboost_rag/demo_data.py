@@ -4,9 +4,20 @@ The same code generates the training stream (``scripts/train_demo_model.py``), t
 held-out questions (``kvboost_rag/assets/demo_model``), and formats prompts for the CLI and the tests, so
 the model is always asked questions in exactly the format it was trained on.
 
-Entities are invented names built from syllables. A fixed share of all names (chosen by a stable hash) is
-reserved for the bundled corpus and never appears in training, so every held-out question is about
-entities the model has not seen: it can only answer by reading the documents in its prompt.
+Why the model cannot answer from memory: every training sequence is a fresh random world (random names in
+random relations), so no fact is ever stable across training and there is nothing to memorise; the only
+way to lower the loss on an answer is to read it from the documents in the prompt. The bundled corpus is
+one more world drawn with its own seed. ``scripts/train_demo_model.py`` measures the closed-book control
+(the same questions with no documents) to show it.
+
+Design choices that make in-context copying learnable by a tiny model in CPU-minutes:
+- entity names are invented words that the tokenizer keeps as single tokens (always after a space), so
+  finding an entity is one-token matching, the easiest thing attention learns;
+- every fact sits right after its entity and a cue phrase, so an answer is "the token after
+  (entity, cue)";
+- a two-hop answer is written as a chain, "<bridge>, so <answer>": each step is then a single lookup
+  (the second one keyed on the bridge the model has just written), which is how a small model can
+  combine two documents at all.
 """
 
 from __future__ import annotations
@@ -19,8 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo_model"
 CORPUS_FILE = "corpus.jsonl"
 HELDOUT_FILE = "heldout.jsonl"
@@ -29,56 +38,35 @@ PROMPT_HEAD = "Documents:\n\n"
 DOC_SEPARATOR = "\n\n"
 # LangChain PromptTemplate form of :func:`build_prompt` (stuff-documents joins documents with "\n\n").
 PROMPT_TEMPLATE = "Documents:\n\n{context}\n\nQuestion: {input}\nAnswer:"
+CHAIN_SEPARATOR = ", so "  # "<bridge>, so <answer>" for two-hop questions
 
-_ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st",
-           "t", "tr", "v", "z", "th", "sh"]
-_VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]
-_CODAS = ["", "", "", "n", "r", "l", "s", "th", "ck", "m", "x"]
-_ORG_KINDS = ["Institute", "Company", "Museum", "Library", "Observatory", "Guild", "Foundation", "Academy",
-              "Bank", "Theatre", "Hospital", "University"]
+_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "tr", "v",
+           "z", "th", "sh"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
+_CODAS = ["", "n", "r", "l", "s", "k", "m"]
+ORG_KINDS = ["Institute", "Company", "Museum", "Library", "Guild", "Academy", "Bank", "Theatre", "Hospital",
+             "University"]
 JOBS = ["chemist", "baker", "pilot", "librarian", "engineer", "nurse", "painter", "carpenter", "geologist",
-        "teacher", "surgeon", "architect", "sailor", "farmer", "poet", "judge", "banker", "tailor", "jeweller",
-        "astronomer"]
-HOLDOUT_MOD = 5  # a name whose stable hash is 0 mod this is reserved for the bundled corpus
+        "teacher", "surgeon", "architect", "sailor", "farmer", "poet", "judge", "banker", "tailor"]
+YEARS = list(range(1800, 2000))
+N_WORDS = 600
 
 
-def _stable_hash(text: str) -> int:
-    return xxhash.xxh64_intdigest(text.encode("utf-8"))
+def make_words(n: int = N_WORDS, seed: int = 7) -> list[str]:
+    """The inventory of invented entity names (two syllables, capitalised), deterministic."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        w = (rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_ONSETS) + rng.choice(_VOWELS)
+             + rng.choice(_CODAS)).capitalize()
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
 
 
-def is_heldout_name(name: str) -> bool:
-    return _stable_hash(name) % HOLDOUT_MOD == 0
-
-
-def _word(rng: random.Random, syllables: int) -> str:
-    w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables - 1))
-    return (w + rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)).capitalize()
-
-
-class NameSource:
-    """Draws distinct invented names, from the held-out share or from the training share only."""
-
-    def __init__(self, rng: random.Random, heldout: bool) -> None:
-        self.rng = rng
-        self.heldout = heldout
-        self.used: set[str] = set()
-
-    def _draw(self, make: Any) -> str:
-        for _ in range(10_000):
-            name = make()
-            if name not in self.used and is_heldout_name(name) == self.heldout:
-                self.used.add(name)
-                return name
-        raise RuntimeError("name space exhausted; widen the syllable inventory")
-
-    def person(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, self.rng.choice((2, 2, 3)))} {_word(self.rng, 2)}")
-
-    def place(self) -> str:
-        return self._draw(lambda: _word(self.rng, self.rng.choice((2, 3))))
-
-    def org(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, 2)} {self.rng.choice(_ORG_KINDS)}")
+WORDS = make_words()
 
 
 @dataclass
@@ -90,7 +78,7 @@ class City:
 
 @dataclass
 class Org:
-    name: str
+    name: str  # "<Word> <Kind>"
     city: str
     year: int
     founder: str
@@ -116,7 +104,8 @@ class Doc:
 @dataclass
 class QA:
     question: str
-    answer: str
+    answer: str  # the final answer (what correctness is judged on)
+    target: str  # the full trained answer text: ``answer``, or "<bridge>, so <answer>" for two-hop
     doc_ids: list[str]  # the documents the answer needs
     hops: int
     template: str
@@ -130,41 +119,44 @@ class World:
     people: list[Person]
 
 
-def make_world(rng: random.Random, names: NameSource, n_cities: int, n_orgs: int, n_people: int) -> World:
-    cities = [City(names.place(), names.place(), names.place()) for _ in range(n_cities)]
-    orgs = [Org(names.org(), rng.choice(cities).name, rng.randint(1600, 1990), names.person())
-            for _ in range(n_orgs)]
-    people = [Person(names.person(), rng.choice(cities).name, rng.randint(1900, 1999), rng.choice(JOBS),
+def make_world(rng: random.Random, n_cities: int, n_orgs: int, n_people: int) -> World:
+    """Distinct invented names for every entity and attribute; relations drawn at random."""
+    n_words = n_cities * 3 + n_orgs * 2 + n_people
+    words = rng.sample(WORDS, n_words)
+    cities = [City(words.pop(), words.pop(), words.pop()) for _ in range(n_cities)]
+    kinds = rng.sample(ORG_KINDS * ((n_orgs // len(ORG_KINDS)) + 1), n_orgs)
+    orgs = [Org(f"{words.pop()} {kinds[i]}", rng.choice(cities).name, rng.choice(YEARS), words.pop())
+            for i in range(n_orgs)]
+    people = [Person(words.pop(), rng.choice(cities).name, rng.choice(YEARS), rng.choice(JOBS),
                      rng.choice(orgs).name) for _ in range(n_people)]
     return World(cities, orgs, people)
 
 
-def _city_text(c: City, variant: int) -> str:
-    if variant == 0:
-        return f"{c.name} is a city in the country of {c.country}. The river {c.river} flows through {c.name}."
-    return f"The city of {c.name} lies in {c.country}, on the banks of the river {c.river}."
+# Every entity mention follows a space (so it is the same single token everywhere), and every fact
+# follows its entity and a cue phrase that the matching question shares.
+def city_text(c: City) -> str:
+    return f"The city of {c.name} is in the country of {c.country}. The river {c.river} flows through {c.name}."
 
 
-def _org_text(o: Org, variant: int) -> str:
-    if variant == 0:
-        return f"{o.name} is located in the city of {o.city}. It was founded in {o.year} by {o.founder}."
-    return f"Founded by {o.founder} in {o.year}, {o.name} is based in the city of {o.city}."
+def org_text(o: Org) -> str:
+    return f"The {o.name} is in the city of {o.city}. The {o.name} was founded in {o.year} by {o.founder}."
 
 
-def _person_text(p: Person, variant: int) -> str:
-    if variant == 0:
-        return f"{p.name} was born in {p.city} in {p.year}. {p.name} works as a {p.job} at {p.org}."
-    return f"{p.name} is a {p.job} at {p.org}. {p.name} was born in {p.year} in the city of {p.city}."
+def person_text(p: Person) -> str:
+    return f"The person {p.name} was born in {p.city} in {p.year}. {p.name} works as a {p.job} at the {p.org}."
 
 
-def world_documents(world: World, rng: random.Random, prefix: str = "") -> list[Doc]:
-    docs = [Doc(f"{prefix}city-{i}", "city", c.name, _city_text(c, rng.randint(0, 1)))
-            for i, c in enumerate(world.cities)]
-    docs += [Doc(f"{prefix}org-{i}", "org", o.name, _org_text(o, rng.randint(0, 1)))
-             for i, o in enumerate(world.orgs)]
-    docs += [Doc(f"{prefix}person-{i}", "person", p.name, _person_text(p, rng.randint(0, 1)))
-             for i, p in enumerate(world.people)]
+def world_documents(world: World, prefix: str = "") -> list[Doc]:
+    docs = [Doc(f"{prefix}city-{i}", "city", c.name, city_text(c)) for i, c in enumerate(world.cities)]
+    docs += [Doc(f"{prefix}org-{i}", "org", o.name, org_text(o)) for i, o in enumerate(world.orgs)]
+    docs += [Doc(f"{prefix}person-{i}", "person", p.name, person_text(p)) for i, p in enumerate(world.people)]
     return docs
+
+
+def _qa(question: str, answer: str, doc_ids: list[str], template: str, bridge: str | None = None) -> QA:
+    if bridge is None:
+        return QA(question, answer, answer, doc_ids, 1, template)
+    return QA(question, answer, f"{bridge}{CHAIN_SEPARATOR}{answer}", doc_ids, 2, template)
 
 
 def world_questions(world: World, docs: Sequence[Doc]) -> list[QA]:
@@ -175,31 +167,32 @@ def world_questions(world: World, docs: Sequence[Doc]) -> list[QA]:
     out: list[QA] = []
     for c in world.cities:
         if (cid := by_entity.get(("city", c.name))) is not None:
-            out.append(QA(f"In which country is {c.name}?", c.country, [cid], 1, "city_country"))
-            out.append(QA(f"Which river flows through {c.name}?", c.river, [cid], 1, "city_river"))
+            out.append(_qa(f"In which country is the city of {c.name}?", c.country, [cid], "city_country"))
+            out.append(_qa(f"Which river flows through {c.name}?", c.river, [cid], "city_river"))
     for o in world.orgs:
         if (oid := by_entity.get(("org", o.name))) is None:
             continue
-        out.append(QA(f"In which city is {o.name} located?", o.city, [oid], 1, "org_city"))
-        out.append(QA(f"Who founded {o.name}?", o.founder, [oid], 1, "org_founder"))
-        out.append(QA(f"In which year was {o.name} founded?", str(o.year), [oid], 1, "org_year"))
+        out.append(_qa(f"In which city is the {o.name}?", o.city, [oid], "org_city"))
+        out.append(_qa(f"Who founded the {o.name}?", o.founder, [oid], "org_founder"))
+        out.append(_qa(f"When was the {o.name} founded?", str(o.year), [oid], "org_year"))
         if (cid := by_entity.get(("city", o.city))) is not None:
-            out.append(QA(f"In which country is {o.name} located?", city[o.city].country, [oid, cid], 2,
-                          "org_country"))
+            out.append(_qa(f"In which country is the {o.name}?", city[o.city].country, [oid, cid], "org_country",
+                           bridge=o.city))
     for p in world.people:
         if (pid := by_entity.get(("person", p.name))) is None:
             continue
-        out.append(QA(f"Where was {p.name} born?", p.city, [pid], 1, "person_city"))
-        out.append(QA(f"In which year was {p.name} born?", str(p.year), [pid], 1, "person_year"))
-        out.append(QA(f"What is the job of {p.name}?", p.job, [pid], 1, "person_job"))
-        out.append(QA(f"Where does {p.name} work?", p.org, [pid], 1, "person_org"))
+        out.append(_qa(f"Where was {p.name} born?", p.city, [pid], "person_city"))
+        out.append(_qa(f"When was {p.name} born?", str(p.year), [pid], "person_year"))
+        out.append(_qa(f"What is the job of {p.name}?", p.job, [pid], "person_job"))
+        out.append(_qa(f"Where does {p.name} work?", f"the {p.org}", [pid], "person_org"))
         if (cid := by_entity.get(("city", p.city))) is not None:
-            out.append(QA(f"In which country was {p.name} born?", city[p.city].country, [pid, cid], 2,
-                          "person_country"))
+            out.append(_qa(f"In which country was {p.name} born?", city[p.city].country, [pid, cid],
+                           "person_country", bridge=p.city))
         if (oid := by_entity.get(("org", p.org))) is not None:
-            out.append(QA(f"In which city does {p.name} work?", org[p.org].city, [pid, oid], 2, "person_work_city"))
-            out.append(QA(f"Who founded the organisation where {p.name} works?", org[p.org].founder, [pid, oid], 2,
-                          "person_work_founder"))
+            out.append(_qa(f"In which city does {p.name} work?", org[p.org].city, [pid, oid], "person_work_city",
+                           bridge=f"the {p.org}"))
+            out.append(_qa(f"Who founded the place where {p.name} works?", org[p.org].founder, [pid, oid],
+                           "person_work_founder", bridge=f"the {p.org}"))
     return out
 
 
@@ -209,10 +202,18 @@ def build_prompt(doc_texts: Sequence[str], question: str) -> str:
     return PROMPT_HEAD + DOC_SEPARATOR.join(doc_texts) + f"\n\nQuestion: {question}\nAnswer:"
 
 
+def closed_book_prompt(question: str) -> str:
+    """The control: the same question with no documents (a model that reads its documents cannot answer)."""
+    return build_prompt([], question)
+
+
 def normalize_answer(text: str) -> str:
-    """First line, trimmed, trailing punctuation dropped, lower-cased, inner whitespace collapsed."""
+    """The final answer of a generation: first line, the part after the last ", so " (two-hop chains),
+    trimmed, a leading "the " and trailing punctuation dropped, lower-cased, whitespace collapsed."""
     line = text.strip().split("\n", 1)[0] if text.strip() else ""
-    return re.sub(r"\s+", " ", line.strip().rstrip(".!?,;:").strip()).lower()
+    line = line.rsplit(CHAIN_SEPARATOR.strip(), 1)[-1] if CHAIN_SEPARATOR in line else line
+    line = re.sub(r"\s+", " ", line.strip().rstrip(".!?,;:").strip()).lower()
+    return line[4:] if line.startswith("the ") else line
 
 
 def is_correct(generated: str, answer: str) -> bool:
@@ -223,57 +224,51 @@ def is_correct(generated: str, answer: str) -> bool:
 @dataclass
 class TrainingSample:
     prompt: str  # documents and the first question, ending with "Answer:"
-    pieces: list[tuple[str, bool]]  # the text in order; True marks answer text (weighted in the loss)
+    pieces: list[tuple[str, str]]  # the text in order, each tagged "context", "question" or "answer"
     questions: list[QA]
 
 
-def training_sample(rng: random.Random, min_questions: int = 2, max_questions: int = 8,
-                    repeat_share: float = 0.5) -> TrainingSample:
-    """One training sequence: a fresh world of training-share names, 3-8 of its documents in random order,
-    then ``min_questions``-``max_questions`` questions answerable from them (two-hop preferred a third of the time)."""
-    names = NameSource(rng, heldout=False)
-    world = make_world(rng, names, n_cities=3, n_orgs=3, n_people=3)
-    docs = world_documents(world, rng)
+def training_sample(rng: random.Random, min_docs: int = 3, max_docs: int = 8, max_questions: int = 16,
+                    two_hop_share: float = 0.35) -> TrainingSample:
+    """One training sequence: a fresh random world, ``min_docs``-``max_docs`` of its documents in random
+    order, then up to ``max_questions`` questions answerable from them (many per sequence: the answers are
+    the learning signal, and the documents cost far more tokens than the questions)."""
+    world = make_world(rng, n_cities=4, n_orgs=3, n_people=4)
+    docs = world_documents(world)
     rng.shuffle(docs)
-    chosen = docs[: rng.randint(3, 8)]
+    chosen = docs[: rng.randint(min_docs, max_docs)]
     qas = world_questions(world, chosen)
     two = [q for q in qas if q.hops == 2]
     one = [q for q in qas if q.hops == 1]
     picked: list[QA] = []
-    # Questions are cheap next to the documents they read, and their answers are the learnable signal.
-    for _ in range(rng.randint(min_questions, max_questions)):
-        pool = two if two and rng.random() < 0.35 else one
+    for _ in range(max_questions):
+        pool = two if two and rng.random() < two_hop_share else one
         if pool:
             picked.append(pool.pop(rng.randrange(len(pool))))
-    prompt = PROMPT_HEAD + DOC_SEPARATOR.join(d.text for d in chosen)
-    pieces: list[tuple[str, bool]] = [(prompt, False)]
+    head = PROMPT_HEAD + DOC_SEPARATOR.join(d.text for d in chosen)
+    pieces: list[tuple[str, str]] = [(head, "context")]
     for i, q in enumerate(picked):
-        pieces.append(((DOC_SEPARATOR if i == 0 else "\n") + f"Question: {q.question}\nAnswer:", False))
-        pieces.append((f" {q.answer}\n", True))
-    if rng.random() < repeat_share:
-        # Copying the documents again, in a new order, is pure induction (every token after a document's
-        # first is predictable from the first copy): the circuit question answering is built on, and one a
-        # small model trained for minutes did not find from the answers alone (loss flat for 25 minutes).
-        again = [d.text for d in chosen]
-        rng.shuffle(again)
-        pieces.append(("\nRepeat:\n\n" + DOC_SEPARATOR.join(again) + "\n", True))
-    first = prompt + f"\n\nQuestion: {picked[0].question}\nAnswer:"
-    return TrainingSample(first, pieces, picked)
+        pieces.append(((DOC_SEPARATOR if i == 0 else "\n") + f"Question: {q.question}\nAnswer:", "question"))
+        pieces.append((f" {q.target}\n", "answer"))
+    return TrainingSample(head + f"\n\nQuestion: {picked[0].question}\nAnswer:", pieces, picked)
 
 
 def tokenizer_training_text(n: int, seed: int) -> Iterable[str]:
     rng = random.Random(seed)
     for _ in range(n):
         yield "".join(t for t, _ in training_sample(rng).pieces)
+    # every inventory word, year and job after a space, often enough for BPE to keep each one whole
+    for _ in range(30):
+        yield " " + " ".join(WORDS) + " " + " ".join(map(str, YEARS)) + " " + " ".join(JOBS + ORG_KINDS)
 
 
 # ---------------------------------------------------------------------------------------------- corpus
 def make_corpus(seed: int = 1234, n_cities: int = 30, n_orgs: int = 40, n_people: int = 60
                 ) -> tuple[list[Doc], World]:
-    """The bundled corpus: one world of held-out-share names (never seen in training)."""
+    """The bundled corpus: one world drawn with its own seed."""
     rng = random.Random(seed)
-    world = make_world(rng, NameSource(rng, heldout=True), n_cities, n_orgs, n_people)
-    return world_documents(world, rng), world
+    world = make_world(rng, n_cities, n_orgs, n_people)
+    return world_documents(world), world
 
 
 def make_heldout(docs: Sequence[Doc], world: World, n: int = 200, seed: int = 99, two_hop_share: float = 0.3
@@ -353,6 +348,17 @@ def evaluate(rag: Any, questions: Sequence[dict[str, Any]], corpus_by_id: dict[s
     for q in questions:
         r = rag.generate(heldout_prompt(q, corpus_by_id), max_new_tokens=max_new_tokens, stop="\n",
                          repair=repair, store_prefix=False)
+        out.append(EvalResult(q["question"], q["answer"], r.text, is_correct(r.text, q["answer"]), int(q["hops"]),
+                              r.ttft_s, r.reuse_ratio))
+    return out
+
+
+def evaluate_closed_book(rag: Any, questions: Sequence[dict[str, Any]], max_new_tokens: int = 12) -> list[EvalResult]:
+    """Greedy answers with no documents in the prompt: the floor a model gets from priors alone."""
+    out: list[EvalResult] = []
+    for q in questions:
+        r = rag.generate(closed_book_prompt(q["question"]), max_new_tokens=max_new_tokens, stop="\n",
+                         repair="full", store_prefix=False)
         out.append(EvalResult(q["question"], q["answer"], r.text, is_correct(r.text, q["answer"]), int(q["hops"]),
                               r.ttft_s, r.reuse_ratio))
     return out
