@@ -102,10 +102,10 @@ def main() -> None:
         print(f"destination {dst_dtype}")
         print(f"{'mode':6} {'torch ms':>9} {'fused ms':>9} {'limit ms':>9} {'speedup':>8} {'% of bw':>8}")
         for name, payload in payloads.items():
-            t_torch = _median_s(lambda p=payload: torch_place(p, keys, values, cos, sin), args.repeats)
+            t_torch = _median_s(lambda p=payload, k=keys, v=values: torch_place(p, k, v, cos, sin), args.repeats)
             ref_k = torch.stack([k.clone() for k in keys])
-            t_fused = _median_s(lambda p=payload: ops.place_block(p, 0, TOKENS, keys, values, DST_START, cos, sin),
-                                args.repeats)
+            t_fused = _median_s(lambda p=payload, k=keys, v=values: ops.place_block(p, 0, TOKENS, k, v, DST_START,
+                                                                                    cos, sin), args.repeats)
             same = torch.equal(ref_k, torch.stack(keys))
             moved = payload.nbytes + written
             limit = moved / bw
