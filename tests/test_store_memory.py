@@ -55,13 +55,21 @@ def test_pinning_past_the_budget_is_a_value_error() -> None:
     s.put(key(1), b, pin=True)
     with pytest.raises(ValueError, match="pinn"):
         s.put(key(2), block((3, 4)), pin=True)
-    # re-putting a pinned entry without pin=True keeps the pin; if it no longer fits it is a miss
-    assert s.put(key(1), block(tuple(range(50)))) is False
     with pytest.raises(ValueError):
-        s.resize(b.nbytes - 1)
-    s.pin(key(1), False)
+        s.resize(b.nbytes - 1)  # below the pinned bytes
+    # re-putting a pinned key with a block that no longer fits is a miss, and the superseded entry goes
+    assert s.put(key(1), block(tuple(range(50)))) is False
+    assert s.get(key(1)) is None and s.stats()["pinned_bytes"] == 0
     s.resize(b.nbytes - 1)
     assert s.nbytes == 0
+
+
+def test_failed_replacement_drops_the_superseded_entry() -> None:
+    """Found by the stateful test: a put that cannot fit must not leave the previous block served."""
+    s = MemoryStore(block((1,)).nbytes)
+    assert s.put(key(0), block((1,)))
+    assert not s.put(key(0), block((1, 2, 3)))  # too big for the budget
+    assert s.get(key(0)) is None and s.nbytes == 0
 
 
 def test_namespace_mismatch() -> None:

@@ -174,6 +174,7 @@ class DiskStore:
             raise ValueError("block fingerprint does not match the disk store's fingerprint")
         data = dumps(key, block)
         if len(data) > self._max_bytes:
+            self.delete(key)  # superseded: never serve the value this put replaces (as MemoryStore)
             return False
         path = self._path(key)
         tmp = self._root / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"

@@ -59,7 +59,9 @@ class MemoryStore:
     # -- writes -------------------------------------------------------------------------------------
     def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool:
         """Store ``block``; False (a miss, nothing raised) when it cannot fit even after evicting every
-        unpinned entry. Pinning past the budget is a caller error (ValueError)."""
+        unpinned entry, and then an older entry under ``key`` is dropped too: after a put, ``key`` serves that
+        block or nothing, never a superseded one. Pinning past the budget is a caller error (ValueError,
+        nothing changed)."""
         if self._namespace is not None and block.namespace != self._namespace:
             raise ValueError(f"block namespace {block.namespace!r} != store namespace {self._namespace!r}")
         size = block.nbytes
@@ -72,6 +74,8 @@ class MemoryStore:
                     raise ValueError(
                         f"pinning {size} bytes would put {pinned_other + size} pinned bytes over the "
                         f"{self._max_bytes}-byte budget; raise max_cache_bytes or unpin entries first")
+                if old is not None:  # superseded: never serve the value this put replaces
+                    self._remove(key)
                 return False  # would not fit even after evicting every unpinned entry
             if old is not None:
                 self._remove(key)
