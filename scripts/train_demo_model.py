@@ -346,11 +346,18 @@ without KV reuse, offline. It knows nothing about the world: it can only copy or
   questions with no documents.
 
 ## Training
-`python scripts/train_demo_model.py --minutes {train.get("train_minutes", "?")} --threads 1`: AdamW (betas 0.9/0.95,
-weight decay 0.05), peak LR 3e-3 with warmup and cosine decay to 10% over the time box, batch 16 sequences,
-grad clip 1.0. {train.get("steps", "?")} steps, {train.get("train_minutes", "?")} CPU-minutes (one thread of a shared 2-core
-machine); final weighted training loss {train.get("final_loss", "?")}. Seeded; the result varies slightly with
-the step count the time box allows.
+`python scripts/train_demo_model.py --minutes {train.get("train_minutes", "?")} --threads 1` (the script's defaults:
+`--drill-steps 3500 --drill-share 0.25 --curriculum 0.3 --lr 3e-3 --batch 16`): AdamW (betas 0.9/0.95, weight
+decay 0.05), peak LR 3e-3 with warmup and cosine decay to 10% over the time box, grad clip 1.0.
+{train.get("steps", "?")} steps, {train.get("train_minutes", "?")} CPU-minutes (one thread of a shared 2-core machine); final
+weighted training loss {train.get("final_loss", "?")}.
+
+What made it work: the first 3,500 steps are **copy drills only** (8-40 random entity words, then the same
+words again, loss on the copy). Content-based copying (induction heads) is the circuit answering is built on,
+and it forms abruptly: drill copy accuracy sat at 4-12% for 1,500 steps, then rose to 92% by step 2,100.
+Earlier attempts that mixed drills into question answering from the start, or trained on questions alone,
+stayed at guessing level for 45 CPU-minutes. After the drills, sequences are question answering with 25%
+drills kept in.
 
 ## Held-out accuracy
 Exact match of the greedy answer's final part (first line; after ", so " for chains; trimmed, case and
@@ -396,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--curriculum", type=float, default=0.3,
                    help="share of the time box over which the documents per sequence grow from 2 to 3-8")
-    p.add_argument("--drill-share", type=float, default=0.2, help="share of sequences that are copy drills")
-    p.add_argument("--drill-steps", type=int, default=900, help="initial steps of copy drills only")
+    p.add_argument("--drill-share", type=float, default=0.25, help="share of sequences that are copy drills")
+    p.add_argument("--drill-steps", type=int, default=3500, help="initial steps of copy drills only")
     p.add_argument("--copy-aux", type=float, default=0.0, help="weight of the copy-supervision loss (0: off)")
     p.add_argument("--vocab", type=int, default=2400)
     p.add_argument("--seed", type=int, default=0)
