@@ -223,9 +223,7 @@ def is_correct(generated: str, answer: str) -> bool:
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
 class TrainingSample:
-    prompt: str  # documents and the first question, ending with "Answer:"
     pieces: list[tuple[str, str]]  # the text in order, each tagged "context", "question" or "answer"
-    questions: list[QA]
 
 
 def training_sample(rng: random.Random, min_docs: int = 3, max_docs: int = 8, max_questions: int = 16,
@@ -250,7 +248,7 @@ def training_sample(rng: random.Random, min_docs: int = 3, max_docs: int = 8, ma
     for i, q in enumerate(picked):
         pieces.append(((DOC_SEPARATOR if i == 0 else "\n") + f"Question: {q.question}\nAnswer:", "question"))
         pieces.append((f" {q.target}\n", "answer"))
-    return TrainingSample(head + f"\n\nQuestion: {picked[0].question}\nAnswer:", pieces, picked)
+    return TrainingSample(pieces)
 
 
 def tokenizer_training_text(n: int, seed: int) -> Iterable[str]:
@@ -337,6 +335,16 @@ class EvalResult:
     reuse_ratio: float
 
 
+def _answer_all(rag: Any, questions: Sequence[dict[str, Any]], prompt_of: Any, repair: str,
+                max_new_tokens: int) -> list[EvalResult]:
+    out: list[EvalResult] = []
+    for q in questions:
+        r = rag.generate(prompt_of(q), max_new_tokens=max_new_tokens, stop="\n", repair=repair, store_prefix=False)
+        out.append(EvalResult(q["question"], q["answer"], r.text, is_correct(r.text, q["answer"]), int(q["hops"]),
+                              r.ttft_s, r.reuse_ratio))
+    return out
+
+
 def evaluate(rag: Any, questions: Sequence[dict[str, Any]], corpus_by_id: dict[str, str], *, repair: str,
              max_new_tokens: int = 12) -> list[EvalResult]:
     """Greedy answers to held-out questions over their stored contexts, through ``KVBoostRAG`` in transparent
@@ -344,24 +352,12 @@ def evaluate(rag: Any, questions: Sequence[dict[str, Any]], corpus_by_id: dict[s
 
     Nothing is stored from the prompts (``store_prefix=False``), so no question gets exact-prefix hits from an
     earlier one and ``repair="full"`` is a plain full prefill of the same ids."""
-    out: list[EvalResult] = []
-    for q in questions:
-        r = rag.generate(heldout_prompt(q, corpus_by_id), max_new_tokens=max_new_tokens, stop="\n",
-                         repair=repair, store_prefix=False)
-        out.append(EvalResult(q["question"], q["answer"], r.text, is_correct(r.text, q["answer"]), int(q["hops"]),
-                              r.ttft_s, r.reuse_ratio))
-    return out
+    return _answer_all(rag, questions, lambda q: heldout_prompt(q, corpus_by_id), repair, max_new_tokens)
 
 
 def evaluate_closed_book(rag: Any, questions: Sequence[dict[str, Any]], max_new_tokens: int = 12) -> list[EvalResult]:
     """Greedy answers with no documents in the prompt: the floor a model gets from priors alone."""
-    out: list[EvalResult] = []
-    for q in questions:
-        r = rag.generate(closed_book_prompt(q["question"]), max_new_tokens=max_new_tokens, stop="\n",
-                         repair="full", store_prefix=False)
-        out.append(EvalResult(q["question"], q["answer"], r.text, is_correct(r.text, q["answer"]), int(q["hops"]),
-                              r.ttft_s, r.reuse_ratio))
-    return out
+    return _answer_all(rag, questions, lambda q: closed_book_prompt(q["question"]), "full", max_new_tokens)
 
 
 def accuracy(results: Sequence[EvalResult], hops: int | None = None) -> float:

@@ -97,7 +97,7 @@ def drill_sample(rng: random.Random) -> dd.TrainingSample:
     which a fresh model learns in about 200 steps here; question answering then builds on those heads
     (without drills the model sat at guessing level for 45 CPU-minutes)."""
     words = " " + " ".join(rng.choices(dd.WORDS, k=rng.randint(8, 40)))
-    return dd.TrainingSample("", [(words, "context"), (words, "answer")], [])
+    return dd.TrainingSample([(words, "context"), (words, "answer")])
 
 
 def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8, drill_share: float = 0.0
