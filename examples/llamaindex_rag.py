@@ -23,32 +23,10 @@ from kvboost_core.engine import KVEngine
 
 def _tiny() -> tuple[object, object, list[str]]:
     """(model, tokenizer, documents) built in-process."""
-    try:
-        from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer
+    from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer
 
-        model, tok = tiny_model_and_tokenizer()
-        return model, tok, synthetic_facts(20)
-    except ImportError:  # an older kvboost_rag: build the same kind of thing here
-        import torch
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-        people, cities = ["Alice", "Bruno", "Chen", "Dana", "Emeka"], ["Portvale", "Essberg", "Lindmoor", "Norwick"]
-        docs = [f"Fact {i + 1}: {people[i % 5]} lives in {cities[i % 4]} and was born in {1950 + 7 * i}."
-                for i in range(20)]
-        bpe = Tokenizer(models.BPE(unk_token=None))
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        bpe.train_from_iterator(docs * 10, trainer=trainers.BpeTrainer(
-            vocab_size=512, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).eval(), tok, docs
+    model, tok = tiny_model_and_tokenizer()
+    return model, tok, synthetic_facts(20)
 
 
 QUESTIONS = [
