@@ -62,6 +62,33 @@ def workload_b_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def quality_tables(result: dict[str, Any]) -> str:
+    q = result.get("quality")
+    if not q:
+        return ""
+    out: list[str] = []
+    acc = q["demo_accuracy"]
+    if "skipped" in acc:
+        out.append(f"Demo-model accuracy: skipped ({acc['skipped']}).")
+    else:
+        out += [f"Demo model, {acc['questions']} held-out questions (closed book: {acc['closed_book_accuracy']:.1%}):", "",
+                "| method | accuracy | single-hop | two-hop | same answer as full | reuse |", "|---|---|---|---|---|---|"]
+        for m, s in acc["methods"].items():
+            out.append(f"| {LABELS.get(m, m)} | {s['accuracy']:.1%} | {s['single_hop']:.1%} | {s['two_hop']:.1%} | "
+                       f"{s['agreement_with_full']:.1%} | {s['reuse_ratio']:.0%} |")
+    fid = q["stories_fidelity"]
+    out.append("")
+    if "skipped" in fid:
+        out.append(f"stories260K fidelity: skipped ({fid['skipped']}).")
+    else:
+        out += [f"stories260K, {fid['prompts']} prompts of reordered warmed documents vs full prefill:", "",
+                "| method | mean KL | top-1 | greedy match | reuse |", "|---|---|---|---|---|"]
+        for m, s in fid["summary"].items():
+            out.append(f"| {LABELS.get(m, m)} | {s['mean_kl']:.4f} | {s['top1_agree']:.0%} | "
+                       f"{s['greedy_match']:.0%} | {s['reuse_ratio']:.0%} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     path = Path((argv or sys.argv[1:] or ["benchmarks/results/ttft.json"])[0])
     result = json.loads(path.read_text())
@@ -69,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(workload_a_table(result))
     print()
     print(workload_b_table(result))
+    print()
+    print(quality_tables(result))
     return 0
 
 

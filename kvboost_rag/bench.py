@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kvboost_core.adapters import output_cache
+from kvboost_rag.bench_quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -291,6 +292,26 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _print_quality(q: dict[str, Any]) -> None:
+    acc = q["demo_accuracy"]
+    if "skipped" in acc:
+        print(f"\ndemo-model accuracy: skipped ({acc['skipped']})")
+    else:
+        print(f"\ndemo-model accuracy, {acc['questions']} held-out questions "
+              f"(closed book {acc['closed_book_accuracy']:.0%}):")
+        for m, s in acc["methods"].items():
+            print(f"  {m:<11} {s['accuracy']:6.1%}  same answer as full {s['agreement_with_full']:6.1%}"
+                  f"  reuse {s['reuse_ratio']:.0%}")
+    fid = q["stories_fidelity"]
+    if "skipped" in fid:
+        print(f"stories260K fidelity: skipped ({fid['skipped']})")
+    else:
+        print(f"stories260K fidelity, {fid['prompts']} prompts of reordered warmed documents vs full prefill:")
+        for m, s in fid["summary"].items():
+            print(f"  {m:<11} mean KL {s['mean_kl']:.4f}  top-1 {s['top1_agree']:.0%}  "
+                  f"greedy match {s['greedy_match']:.0%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -303,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=32, help="system prompt, lead (BOS) included")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chat-turns", type=int, default=8, help="0 skips workload B")
+    ap.add_argument("--demo-questions", type=int, default=60,
+                    help="held-out questions the demo model answers per method (0 skips)")
+    ap.add_argument("--stories", default=str(STORIES_DEFAULT),
+                    help="a trained model for the KL/top-1 report (default ../shared/models/stories260K; "
+                         "'none' skips)")
+    ap.add_argument("--stories-prompts", type=int, default=20)
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
@@ -327,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.chat_turns:
         result["workload_b"] = workload_b(engine, args.chat_turns)
+    result["quality"] = {
+        "demo_accuracy": (demo_accuracy(args.demo_questions) if args.demo_questions > 0
+                          else {"skipped": "--demo-questions 0"}),
+        "stories_fidelity": (stories_fidelity(args.stories, args.stories_prompts) if args.stories != "none"
+                             else {"skipped": "--stories none"}),
+    }
     for n, v in result["workload_a"]["sizes"].items():
         print(f"\n{n} docs, {v['context_tokens']} tokens")
         for m, s in v["methods"].items():
@@ -343,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in result["workload_b"]["turns"]:
             print(f"  {t['turn']:>7} {t['prompt_tokens']:>7} {t['ours_ttft_s'] * 1e3:8.1f} {t['full_ttft_s'] * 1e3:8.1f}"
                   f" {t['prefix_cache_ttft_s'] * 1e3:10.1f}")
+    _print_quality(result["quality"])
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))

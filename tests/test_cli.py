@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import pytest
+from conftest import SHARED_STORIES
 
 from kvboost_rag import cli
 from kvboost_rag import demo_data as dd
@@ -120,11 +121,35 @@ def test_bench_runs_on_tiny_settings(tmp_path):
 
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
+    stories = SHARED_STORIES if SHARED_STORIES.exists() else tmp_path / "no-stories"
     assert bench_main(["--shape", "tiny", "--sizes", "2", "--rounds", "1", "--doc-tokens", "64",
-                       "--question-tokens", "8", "--chat-turns", "2", "--json", str(out), "--plot", str(png)]) == 0
+                       "--question-tokens", "8", "--chat-turns", "2", "--json", str(out), "--plot", str(png),
+                       "--demo-questions", "3", "--stories", str(stories), "--stories-prompts", "2"]) == 0
     data = json.loads(out.read_text())
     methods = data["workload_a"]["sizes"]["2"]["methods"]
     assert {"full", "prefix_cache", "cold", "none", "selective", "cacheblend", "exact_repeat"} <= set(methods)
     assert methods["exact_repeat"]["reuse_ratio"] > 0.9 and methods["cold"]["reuse_ratio"] == 0
     assert len(data["workload_b"]["turns"]) == 2 and data["workload_b"]["turns"][1]["reused_exact"] > 0
     assert png.stat().st_size > 0
+    quality = data["quality"]
+    acc = quality["demo_accuracy"]
+    if dd.demo_model_available():
+        assert set(acc["methods"]) == {"full", "none", "selective", "cacheblend"} and acc["questions"] == 3
+        assert acc["methods"]["full"]["agreement_with_full"] == 1.0
+        assert acc["methods"]["full"]["reuse_ratio"] == 0 < acc["methods"]["cacheblend"]["reuse_ratio"]
+    else:
+        assert "no demo model" in acc["skipped"]
+    fid = quality["stories_fidelity"]
+    if SHARED_STORIES.exists():
+        summary = fid["summary"]
+        assert set(summary) == {"none", "selective", "cacheblend"} and fid["prompts"] == 2
+        assert all(0 <= s["top1_agree"] <= 1 and s["mean_kl"] >= 0 and s["reuse_ratio"] > 0 for s in summary.values())
+    else:
+        assert "no model at" in fid["skipped"]
+
+
+def test_demo_accuracy_rejects_no_questions():
+    from kvboost_rag.bench_quality import demo_accuracy
+
+    with pytest.raises(ValueError, match="n_questions"):
+        demo_accuracy(0)
