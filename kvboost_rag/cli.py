@@ -188,6 +188,9 @@ def _print_summary(rows: Sequence[DemoRow], seconds: float) -> None:
         acc_full = sum(dd.is_correct(r.answer_full, r.expected or "") for r in graded) / len(graded)
         print(f"  accuracy: with reuse {acc_reuse:.0%}, full prefill {acc_full:.0%} ({len(graded)} questions)")
     if rows:
+        same = sum(dd.normalize_answer(r.answer) == dd.normalize_answer(r.answer_full) for r in rows)
+        print(f"  fidelity: reuse gave the same answer as full prefill on {same}/{len(rows)} questions "
+              "(logit KL/top-1: kvboost-rag fidelity)")
         ratio = statistics.median(r.ttft_full_s / max(r.ttft_reuse_s, 1e-9) for r in rows)
         print(f"  median TTFT: reuse {statistics.median(r.ttft_reuse_s for r in rows) * 1e3:.1f} ms, "
               f"full {statistics.median(r.ttft_full_s for r in rows) * 1e3:.1f} ms "
