@@ -39,6 +39,7 @@ MODEL_SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, 
 WEIGHTS = {"answer": 1.0, "question": 0.3, "context": 0.1}
 FLOOR_MARGIN = 0.05
 TEST_QUESTIONS = 60  # how many held-out questions tests/test_demo_model.py asks
+COMMAND = " ".join(["python", "scripts/train_demo_model.py", *sys.argv[1:]])
 
 
 def build_tokenizer(vocab_size: int, seed: int) -> Any:
@@ -244,9 +245,14 @@ def save(model: Any, opt: Any, tok: Any, out: Path, ckpt: Path, step: int, elaps
     tok.save_pretrained(out)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
                 "rng": rng.getstate()}, ckpt)
+    log = ckpt.parent / "demo_model.train.json"
+    # every command that trained these weights, in order (a --resume run appends itself)
+    commands = json.loads(log.read_text()).get("commands", []) if log.exists() else []
+    if not commands or commands[-1] != COMMAND:
+        commands.append(COMMAND)
     info = {"steps": step, "train_minutes": round(elapsed / 60, 1),
-            "final_loss": round(statistics.fmean(losses[-100:]), 4) if losses else None}
-    (ckpt.parent / "demo_model.train.json").write_text(json.dumps(info))
+            "final_loss": round(statistics.fmean(losses[-100:]), 4) if losses else None, "commands": commands}
+    log.write_text(json.dumps(info))
     print(f"saved step {step} ({elapsed / 60:.1f} min)", flush=True)
 
 
@@ -310,6 +316,8 @@ def write_card(out: Path, metrics: dict[str, Any]) -> None:
     if "none" in metrics:
         rows.append(_row("reuse without repair (`repair=\"none\"`)", metrics["none"]))
     table = "\n".join(rows)
+    cmds = train.get("commands") or [f"python scripts/train_demo_model.py --minutes {train.get('train_minutes', '?')}"]
+    commands = "Commands, in order:\n\n" + "\n".join(f"    {c}" for c in cmds)
     card = f"""# kvboost-rag embedded demo model
 
 A small Llama-architecture model trained from scratch on CPU by `scripts/train_demo_model.py`, to answer
@@ -346,9 +354,12 @@ without KV reuse, offline. It knows nothing about the world: it can only copy or
   questions with no documents.
 
 ## Training
-`python scripts/train_demo_model.py --minutes {train.get("train_minutes", "?")} --threads 1` (the script's defaults:
-`--drill-steps 3500 --drill-share 0.25 --curriculum 0.3 --lr 3e-3 --batch 16`): AdamW (betas 0.9/0.95, weight
-decay 0.05), peak LR 3e-3 with warmup and cosine decay to 10% over the time box, grad clip 1.0.
+{commands}
+
+Script defaults: `--drill-steps 3500 --drill-share 0.25 --curriculum 0.3 --lr 3e-3 --batch 16`. AdamW (betas
+0.9/0.95, weight decay 0.05), LR warmup then cosine decay to 10% over each command's time box (`--resume`
+keeps weights and optimizer state and restarts the schedule, and the document curriculum, over its own box),
+grad clip 1.0.
 {train.get("steps", "?")} steps, {train.get("train_minutes", "?")} CPU-minutes (one thread of a shared 2-core machine); final
 weighted training loss {train.get("final_loss", "?")}.
 
