@@ -281,6 +281,11 @@ def evaluate(out: Path, n: int, repairs: tuple[str, ...]) -> dict[str, Any]:
         res[repair] = {"accuracy": round(dd.accuracy(rows), 4), "single_hop": round(dd.accuracy(rows, 1), 4),
                        "two_hop": round(dd.accuracy(rows, 2), 4),
                        "mean_reuse_ratio": round(statistics.fmean(r.reuse_ratio for r in rows), 4)}
+        # per question template: which lookups the model really does, and which it only guesses by type
+        by: dict[str, list[bool]] = {}
+        for q, r in zip(qs, rows, strict=True):
+            by.setdefault(q["template"], []).append(r.correct)
+        res[repair]["by_template"] = {t: [sum(v), len(v)] for t, v in sorted(by.items())}
         print(repair, res[repair], flush=True)
     if "full" in answers and "cacheblend" in answers:
         # how often reuse changes the answer at all: meaningful even where the answers are wrong
@@ -317,6 +322,7 @@ def write_card(out: Path, metrics: dict[str, Any]) -> None:
         rows.append(_row("reuse without repair (`repair=\"none\"`)", metrics["none"]))
     table = "\n".join(rows)
     cmds = train.get("commands") or [f"python scripts/train_demo_model.py --minutes {train.get('train_minutes', '?')}"]
+    by_template = ", ".join(f"{t} {a}/{n}" for t, (a, n) in metrics["full"].get("by_template", {}).items())
     commands = "Commands, in order:\n\n" + "\n".join(f"    {c}" for c in cmds)
     card = f"""# kvboost-rag embedded demo model
 
@@ -378,6 +384,8 @@ punctuation normalised) on the first {metrics["questions"]} held-out questions, 
 | prefill | all | single-hop | two-hop | mean reuse ratio |
 |---|---|---|---|---|
 {table}
+
+By question template (full prefill, right/asked): {by_template}.
 
 Closed-book control (same questions, no documents): {_pct(metrics["closed_book"]["accuracy"])}.
 CacheBlend gives the same (normalised) answer as full prefill on {_pct(metrics["agreement"])} of the questions.
