@@ -263,7 +263,10 @@ def run_fidelity(args: argparse.Namespace) -> int:
     loaded = load_engine(args.model)
     docs, prompts = fidelity_prompts(loaded, args.prompts)
     loaded.engine.warm(docs)
-    rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")), max_new_tokens=args.max_new_tokens)
+    knobs = {k: v for k, v in (("recompute_ratio", args.recompute_ratio), ("check_layer", args.check_layer))
+             if v is not None}
+    rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")), max_new_tokens=args.max_new_tokens,
+                               **knobs)
     if args.json:
         print(rep.to_json(indent=2))
     else:
@@ -307,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--prompts", type=int, default=12)
     f.add_argument("--repairs", default="none,selective,cacheblend", help="comma-separated repair modes")
     f.add_argument("--max-new-tokens", type=int, default=8)
+    f.add_argument("--recompute-ratio", type=float, default=None, help="CacheBlend ratio (default: the engine's)")
+    f.add_argument("--check-layer", type=int, default=None, help="CacheBlend check layer (default: the engine's)")
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
     for sp in (d, w, f):

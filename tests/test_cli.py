@@ -100,6 +100,14 @@ def test_fidelity_table_on_demo_model(capsys):
     assert "cacheblend" in out and "mean KL" in out
 
 
+def test_fidelity_passes_cacheblend_knobs(tiny_dir, capsys):
+    """--recompute-ratio 1.0 recomputes every re-placed token: cacheblend then equals full prefill."""
+    assert cli.main(["fidelity", "--model", str(tiny_dir), "--prompts", "2", "--max-new-tokens", "2", "--repairs",
+                     "cacheblend", "--recompute-ratio", "1.0", "--check-layer", "0", "--json", "--threads", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]["cacheblend"]
+    assert summary["mean_kl"] < 1e-6 and summary["top1_agree"] == 1.0
+
+
 def test_bench_forwards_arguments():
     if importlib.util.find_spec("kvboost_rag.bench") is None:
         pytest.skip("kvboost_rag.bench is not written yet")
