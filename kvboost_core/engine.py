@@ -104,6 +104,10 @@ class KVEngine:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa",
                                                      **(model_kwargs or {}))
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+        if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
+            from kvboost_core.calibrate import load_defaults
+
+            config_kwargs = {**load_defaults(name_or_path), **config_kwargs}
         return cls(model, tokenizer, **config_kwargs)
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:

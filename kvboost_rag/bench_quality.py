@@ -38,7 +38,10 @@ def demo_accuracy(n_questions: int, model_dir: Path | str = dd.DEMO_MODEL_DIR,
     qs = dd.load_heldout(model_dir)[:n_questions]
     rag = KVBoostRAG(KVEngine.from_pretrained(str(model_dir), device="cpu"))
     rag.warm_documents(list(corpus.values()), progress=False)
-    out: dict[str, Any] = {"model": str(model_dir), "questions": len(qs), "methods": {}}
+    cfg = rag.engine.config  # includes the model's calibrated kvboost.json, when it has one
+    out: dict[str, Any] = {"model": str(model_dir), "questions": len(qs), "methods": {},
+                           "cacheblend_setting": {"recompute_ratio": cfg.recompute_ratio,
+                                                  "check_layer": cfg.check_layer}}
     answers: dict[str, list[str]] = {}
     for m in methods:
         rows = dd.evaluate(rag, qs, corpus, repair=m)

@@ -1,8 +1,9 @@
-"""The ``kvboost-rag`` command line: demo, warm, fidelity and bench.
+"""The ``kvboost-rag`` command line: demo, warm, fidelity, calibrate and bench.
 
     kvboost-rag demo [--model M] [--questions N] [--top-k K]
     kvboost-rag warm --model M --docs DIR|FILE.jsonl --store disk:/path
-    kvboost-rag fidelity [--model M] [--json]
+    kvboost-rag fidelity [--model M] [--json] [--recompute-ratio R] [--check-layer C]
+    kvboost-rag calibrate [--model M] [--max-kl X] [--write]   (the cheapest CacheBlend setting meeting X)
     kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.bench)
 
 ``--model`` defaults to the embedded demo model (kvboost_rag/assets/demo_model) everywhere; the demo falls back
@@ -275,6 +276,28 @@ def run_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_calibrate(args: argparse.Namespace) -> int:
+    from kvboost_core.calibrate import calibrate, save_defaults
+
+    loaded = load_engine(args.model)
+    docs, prompts = fidelity_prompts(loaded, args.prompts)
+    loaded.engine.warm(docs)
+    cal = calibrate(loaded.engine, prompts, max_kl=args.max_kl, min_top1=args.min_top1)
+    print(f"calibration of {loaded.label}: {len(prompts)} prompts of reordered warmed documents, target mean KL "
+          f"<= {args.max_kl} and top-1 >= {args.min_top1:.0%}")
+    print(f"{'check layer':>12}{'ratio':>7}{'est. cost':>11}{'mean KL':>10}{'top-1':>8}{'recomputed':>12}")
+    for t in cal.trials:
+        print(f"{t.check_layer:>12}{t.recompute_ratio:>7.2f}{t.cost:>11.1%}{t.mean_kl:>10.4f}{t.top1_agree:>8.0%}"
+              f"{t.recomputed_share:>12.0%}")
+    verdict = "meets the target" if cal.met else "best found; no setting met the target"
+    print(f"-> check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio} ({verdict})")
+    if args.write:
+        if loaded.model_dir is None:
+            raise SystemExit("--write needs a local model directory (the settings are saved beside the weights)")
+        print(f"wrote {save_defaults(loaded.model_dir, cal)}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- bench
 def run_bench(rest: Sequence[str]) -> int:
     try:
@@ -314,7 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--check-layer", type=int, default=None, help="CacheBlend check layer (default: the engine's)")
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    for sp in (d, w, f):
+    c = sub.add_parser("calibrate", help="the cheapest CacheBlend setting meeting a KL target, for this model")
+    c.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
+    c.add_argument("--prompts", type=int, default=20)
+    c.add_argument("--max-kl", type=float, default=0.05, help="mean KL against full prefill to meet")
+    c.add_argument("--min-top1", type=float, default=0.95, help="top-1 agreement with full prefill to meet")
+    c.add_argument("--write", action="store_true", help="save the result as kvboost.json beside the weights "
+                                                        "(KVEngine.from_pretrained then uses it by default)")
+
+    for sp in (d, w, f, c):
         sp.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
 
@@ -338,6 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompts < 1:
             raise SystemExit("--prompts must be >= 1")
         return run_fidelity(args)
+    if args.command == "calibrate":
+        if args.prompts < 1:
+            raise SystemExit("--prompts must be >= 1")
+        return run_calibrate(args)
     raise SystemExit(f"unknown command {args.command!r}")  # argparse rejects these first
 
 

@@ -161,3 +161,17 @@ def test_demo_accuracy_rejects_no_questions():
 
     with pytest.raises(ValueError, match="n_questions"):
         demo_accuracy(0)
+
+
+def test_calibrate_writes_defaults_beside_the_weights(tiny_dir, tmp_path, capsys):
+    import shutil
+
+    from kvboost_core.calibrate import DEFAULTS_FILE, load_defaults
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    assert cli.main(["calibrate", "--model", str(model_dir), "--prompts", "2", "--max-kl", "1e9", "--min-top1", "0",
+                     "--write", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "meets the target" in out and DEFAULTS_FILE in out
+    assert load_defaults(model_dir) == {"recompute_ratio": 0.15, "check_layer": 1}
