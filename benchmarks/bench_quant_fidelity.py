@@ -34,9 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import kvboost_core.engine as engine_mod  # noqa: E402
-from kvboost_core import Segment  # noqa: E402
 from kvboost_core.engine import KVEngine  # noqa: E402
-from kvboost_core.fidelity import compare_logits  # noqa: E402
+from kvboost_core.fidelity import exact_prefix_rows, prefix_probe_prompts  # noqa: E402
 from kvboost_core.quant import (  # noqa: E402
     dequantize_k,
     dequantize_v,
@@ -57,9 +56,7 @@ def prompts(tok: Any, n: int) -> list[list[int]]:
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import STORY_DOCS
 
-    ids = tok(" ".join(STORY_DOCS), add_special_tokens=False)["input_ids"]
-    lengths = [8 + (i * 7) % (len(ids) - 9) for i in range(n)]
-    return [ids[:n_] + [ids[(n_ * 13) % len(ids)]] for n_ in lengths]
+    return prefix_probe_prompts(tok(" ".join(STORY_DOCS), add_special_tokens=False)["input_ids"], n)
 
 
 def outlier_mask(x: torch.Tensor, frac: float, dim: int) -> torch.Tensor:
@@ -103,21 +100,13 @@ def run(model: Any, tok: Any, ps: list[list[int]], bits: int, group: int, chunk:
     try:
         eng = KVEngine(model, tok, chunk_size=chunk, boundary_window=0, kv_bits=bits, kv_group_size=group,
                        sink_tokens=0)
-        kls, agree, ties, reused = [], [], 0, 0
-        for ids in ps:
-            eng.prefill([Segment(token_ids=ids[:-1])])  # stores the prefix (quantized)
-            hit = eng.prefill([Segment(token_ids=ids[:-1]), Segment(token_ids=ids[-1:])])
-            reused += hit.stats["reused_exact"]
-            ref = eng.full_prefill_logits(hit.token_ids)
-            c = compare_logits(ref, hit.last_logits)
-            kls.append(c["kl"])
-            agree.append(c["top1_agree"])
-            top2 = torch.topk(ref.float(), 2).values
-            ties += int(float(top2[0] - top2[1]) < NEAR_TIE)
-        if not reused:
+        rows = exact_prefix_rows(eng, ps)
+        if not sum(r.reused_exact for r in rows):
             raise RuntimeError("no exact-prefix reuse happened: the ablation measured nothing")
-        return {"top1": round(statistics.fmean(agree), 4), "mean_kl": float(f"{statistics.fmean(kls):.3e}"),
-                "flips": int(len(agree) - sum(agree)), "near_ties": ties}
+        agree = [r.top1_agree for r in rows]
+        return {"top1": round(statistics.fmean(agree), 4),
+                "mean_kl": float(f"{statistics.fmean(r.kl for r in rows):.3e}"),
+                "flips": int(len(agree) - sum(agree)), "near_ties": sum(r.ref_margin < NEAR_TIE for r in rows)}
     finally:
         engine_mod.maybe_quantize = maybe_quantize  # type: ignore[assignment]
 

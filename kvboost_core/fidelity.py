@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvboost_core.adapters import output_cache
+from kvboost_core.segments import Segment
 
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -31,6 +32,37 @@ def compare_logits(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, 
     return {"max_abs_diff": float((ref_logits.float() - logits.float()).abs().max()),
             "kl": kl_divergence(ref_logits, logits),
             "top1_agree": float(int(torch.argmax(ref_logits)) == int(torch.argmax(logits)))}
+
+
+@dataclass(frozen=True, slots=True)
+class ExactPrefixRow:
+    kl: float
+    top1_agree: float
+    ref_margin: float  # full prefill's top-1 minus top-2 logit: how near a tie the reference is
+    reused_exact: int
+
+
+def prefix_probe_prompts(ids: Sequence[int], n: int) -> list[list[int]]:
+    """``n`` prompts of many lengths from one token stream: a prefix of ``ids`` plus a different last token."""
+    if len(ids) < 10:
+        raise ValueError(f"need at least 10 token ids to cut probe prompts from, got {len(ids)}")
+    lengths = [8 + (i * 7) % (len(ids) - 9) for i in range(n)]
+    return [list(ids[:k]) + [ids[(k * 13) % len(ids)]] for k in lengths]
+
+
+def exact_prefix_rows(engine: Any, prompts: Sequence[Sequence[int]]) -> list[ExactPrefixRow]:
+    """Exact-prefix reuse against full prefill: each prompt's prefix (all but its last token) is prefilled and
+    stored in ``engine``'s configuration (quantized when ``kv_bits`` is set), then the whole prompt is prefilled
+    on top of it and its next-token logits are compared with a full prefill of the same ids."""
+    rows = []
+    for ids in prompts:
+        engine.prefill([Segment(token_ids=list(ids[:-1]))])  # stores the prefix
+        hit = engine.prefill([Segment(token_ids=list(ids[:-1])), Segment(token_ids=list(ids[-1:]))])
+        ref = engine.full_prefill_logits(hit.token_ids)
+        c = compare_logits(ref, hit.last_logits)
+        top2 = torch.topk(ref.float(), 2).values
+        rows.append(ExactPrefixRow(c["kl"], c["top1_agree"], float(top2[0] - top2[1]), hit.stats["reused_exact"]))
+    return rows
 
 
 @dataclass(slots=True)

@@ -10,36 +10,19 @@ import torch
 from conftest import STORY_DOCS
 
 from kvboost_core.engine import KVEngine
-from kvboost_core.fidelity import compare_logits
+from kvboost_core.fidelity import exact_prefix_rows, prefix_probe_prompts
 from kvboost_core.quant import bytes_per_token
 
 
 def _prompts(tok, n=240):
-    text = " ".join(STORY_DOCS)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    # prompts of many lengths, each a prefix of the stories plus a different last token
-    lengths = [8 + (i * 7) % (len(ids) - 9) for i in range(n)]
-    return [ids[:n_] + [ids[(n_ * 13) % len(ids)]] for n_ in lengths]
+    return prefix_probe_prompts(tok(" ".join(STORY_DOCS), add_special_tokens=False)["input_ids"], n)
 
 
 def _exact_prefix_run(model, tok, bits, prompts):
-    from kvboost_core import Segment
-
     eng = KVEngine(model, tok, chunk_size=16, boundary_window=0, kv_bits=bits, sink_tokens=0)
-    kls, agree, reused, margins = [], [], 0, []
-    for ids in prompts:
-        prefix = [Segment(token_ids=ids[:-1])]
-        eng.prefill(prefix)  # stores the prefix's chunks (quantized)
-        hit = eng.prefill([Segment(token_ids=ids[:-1]), Segment(token_ids=ids[-1:])])
-        reused += hit.stats["reused_exact"]
-        ref = eng.full_prefill_logits(hit.token_ids)
-        c = compare_logits(ref, hit.last_logits)
-        kls.append(c["kl"])
-        agree.append(c["top1_agree"])
-        if not c["top1_agree"]:
-            top2 = torch.topk(ref, 2).values
-            margins.append(float(top2[0] - top2[1]))
-    return eng, kls, agree, reused, margins
+    rows = exact_prefix_rows(eng, prompts)
+    return (eng, [r.kl for r in rows], [r.top1_agree for r in rows], sum(r.reused_exact for r in rows),
+            [r.ref_margin for r in rows if not r.top1_agree])
 
 
 # Issue goals: int8 top-1 >= 99.5%, int4 >= 97%. Measured with pre-RoPE key storage: int8 99.2% (flips at near
