@@ -49,7 +49,8 @@ def demo_accuracy(n_questions: int, model_dir: Path | str = dd.DEMO_MODEL_DIR,
         out["methods"][m] = {"accuracy": dd.accuracy(rows), "single_hop": dd.accuracy(rows, 1),
                              "two_hop": dd.accuracy(rows, 2),
                              "reuse_ratio": statistics.fmean(r.reuse_ratio for r in rows),
-                             "ttft_median_s": statistics.median(r.ttft_s for r in rows)}
+                             "ttft_median_s": statistics.median(r.ttft_s for r in rows),
+                             "by_template": _by_template(qs, rows)}
     if "full" in answers:  # how often a method changes the answer at all, right or wrong
         for m, a in answers.items():
             same = sum(x == y for x, y in zip(a, answers["full"], strict=True))
@@ -57,6 +58,14 @@ def demo_accuracy(n_questions: int, model_dir: Path | str = dd.DEMO_MODEL_DIR,
     out["closed_book_accuracy"] = dd.accuracy(dd.evaluate_closed_book(rag, qs))
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _by_template(questions: list[dict[str, Any]], rows: list[dd.EvalResult]) -> dict[str, list[int]]:
+    """[right, asked] per question template: which lookups a model really does, and which it only guesses."""
+    by: dict[str, list[bool]] = {}
+    for q, r in zip(questions, rows, strict=True):
+        by.setdefault(q["template"], []).append(r.correct)
+    return {t: [sum(v), len(v)] for t, v in sorted(by.items())}
 
 
 def stories_fidelity(path: Path | str | None, n_prompts: int,

@@ -265,36 +265,21 @@ def write_data(out: Path) -> None:
 
 def evaluate(out: Path, n: int, repairs: tuple[str, ...]) -> dict[str, Any]:
     """Exact-match accuracy of greedy answers over the first ``n`` held-out questions, per repair mode, with
-    the corpus warmed (so "cacheblend" re-places document KV and "full" recomputes it all)."""
-    from kvboost_core.engine import KVEngine
-    from kvboost_rag import KVBoostRAG
+    the corpus warmed (so "cacheblend" re-places document KV and "full" recomputes it all), in the layout of
+    metrics.json (the measurement itself is the benchmark's, ``bench_quality.demo_accuracy``)."""
+    from kvboost_rag.bench_quality import demo_accuracy
 
-    corpus = {d["id"]: d["text"] for d in dd.load_corpus(out)}
-    qs = dd.load_heldout(out)[:n]
-    rag = KVBoostRAG(KVEngine.from_pretrained(str(out), device="cpu"))
-    rag.warm_documents(list(corpus.values()), progress=False)
-    cfg = rag.engine.config  # kvboost.json beside the weights (kvboost-rag calibrate --write) sets these
-    res: dict[str, Any] = {"questions": len(qs), "cacheblend_setting": {"recompute_ratio": cfg.recompute_ratio,
-                                                                          "check_layer": cfg.check_layer}}
-    answers: dict[str, list[str]] = {}
-    for repair in repairs:
-        rows = dd.evaluate(rag, qs, corpus, repair=repair)
-        answers[repair] = [dd.normalize_answer(r.generated) for r in rows]
-        res[repair] = {"accuracy": round(dd.accuracy(rows), 4), "single_hop": round(dd.accuracy(rows, 1), 4),
-                       "two_hop": round(dd.accuracy(rows, 2), 4),
-                       "mean_reuse_ratio": round(statistics.fmean(r.reuse_ratio for r in rows), 4)}
-        # per question template: which lookups the model really does, and which it only guesses by type
-        by: dict[str, list[bool]] = {}
-        for q, r in zip(qs, rows, strict=True):
-            by.setdefault(q["template"], []).append(r.correct)
-        res[repair]["by_template"] = {t: [sum(v), len(v)] for t, v in sorted(by.items())}
+    acc = demo_accuracy(n, out, repairs)
+    res: dict[str, Any] = {"questions": acc["questions"], "cacheblend_setting": acc["cacheblend_setting"]}
+    for repair, m in acc["methods"].items():
+        res[repair] = {"accuracy": round(m["accuracy"], 4), "single_hop": round(m["single_hop"], 4),
+                       "two_hop": round(m["two_hop"], 4), "mean_reuse_ratio": round(m["reuse_ratio"], 4),
+                       "by_template": m["by_template"]}
         print(repair, res[repair], flush=True)
-    if "full" in answers and "cacheblend" in answers:
+    if "full" in repairs and "cacheblend" in repairs:
         # how often reuse changes the answer at all: meaningful even where the answers are wrong
-        same = sum(a == b for a, b in zip(answers["full"], answers["cacheblend"], strict=True))
-        res["agreement"] = round(same / len(qs), 4)
-    closed = dd.evaluate_closed_book(rag, qs)
-    res["closed_book"] = {"accuracy": round(dd.accuracy(closed), 4)}
+        res["agreement"] = round(acc["methods"]["cacheblend"]["agreement_with_full"], 4)
+    res["closed_book"] = {"accuracy": round(acc["closed_book_accuracy"], 4)}
     print("closed book", res["closed_book"], flush=True)
     return res
 
