@@ -27,19 +27,25 @@ def _cell(m: dict[str, Any], method: str) -> str:
     return f"{m['speedup_vs_full']:.2f}x ({m['ttft_median_s']:.2f} s)"
 
 
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown table lines."""
+    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def workload_a_table(result: dict[str, Any]) -> str:
     sizes = result["workload_a"]["sizes"]
     cols = list(sizes.values())
     methods: list[str] = []
     for c in cols:
         methods += [m for m in c["methods"] if m not in methods]
-    head = "| method | " + " | ".join(f"{c['context_tokens']:,} tokens" for c in cols) + " | reuse (largest) |"
-    lines = [head, "|---" * (len(cols) + 2) + "|"]
+    head = ["method", *(f"{c['context_tokens']:,} tokens" for c in cols), "reuse (largest)"]
+    rows = []
     for m in methods:
         label = LABELS.get(m, f"`{m}` (PyPI peer, timed by us from the call's start)")
         cells = [_cell(c["methods"][m], m) if m in c["methods"] else "n/a" for c in cols]
         reuse = cols[-1]["methods"].get(m, {}).get("reuse_ratio")
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'' if reuse is None else f'{reuse:.0%}'} |")
+        rows.append([label, *cells, "" if reuse is None else f"{reuse:.0%}"])
+    lines = _md(head, rows)
     ratio = result["workload_a"].get("ours_cacheblend_vs_peer_cacheblend")
     if ratio:
         lines.append("")
@@ -56,36 +62,35 @@ def workload_b_table(result: dict[str, Any]) -> str:
     if not turns:
         return json.dumps(b)[:400]
     keys = [k for k in turns[0] if k.endswith("_s")]
-    lines = ["| turn | prompt tokens | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
-    for i, t in enumerate(turns, 1):
-        lines.append(f"| {i} | {t.get('prompt_tokens', '')} | " + " | ".join(f"{t[k]:.2f}" for k in keys) + " |")
-    return "\n".join(lines)
+    rows = [[str(i), str(t.get("prompt_tokens", "")), *(f"{t[k]:.2f}" for k in keys)] for i, t in enumerate(turns, 1)]
+    return "\n".join(_md(["turn", "prompt tokens", *keys], rows))
+
+
+def _quality_block(part: dict[str, Any], name: str, title: str, head: list[str], methods: dict[str, Any],
+                   cells: Any) -> list[str]:
+    """A quality section: its title and one table row per method, or the reason it was skipped."""
+    if "skipped" in part:
+        return [f"{name}: skipped ({part['skipped']})."]
+    return [title, "", *_md(head, [[LABELS.get(m, m), *cells(s)] for m, s in methods.items()])]
 
 
 def quality_tables(result: dict[str, Any]) -> str:
     q = result.get("quality")
     if not q:
         return ""
-    out: list[str] = []
-    acc = q["demo_accuracy"]
-    if "skipped" in acc:
-        out.append(f"Demo-model accuracy: skipped ({acc['skipped']}).")
-    else:
-        out += [f"Demo model, {acc['questions']} held-out questions (closed book: {acc['closed_book_accuracy']:.1%}):", "",
-                "| method | accuracy | single-hop | two-hop | same answer as full | reuse |", "|---|---|---|---|---|---|"]
-        for m, s in acc["methods"].items():
-            out.append(f"| {LABELS.get(m, m)} | {s['accuracy']:.1%} | {s['single_hop']:.1%} | {s['two_hop']:.1%} | "
-                       f"{s['agreement_with_full']:.1%} | {s['reuse_ratio']:.0%} |")
-    fid = q["stories_fidelity"]
-    out.append("")
-    if "skipped" in fid:
-        out.append(f"stories260K fidelity: skipped ({fid['skipped']}).")
-    else:
-        out += [f"stories260K, {fid['prompts']} prompts of reordered warmed documents vs full prefill:", "",
-                "| method | mean KL | top-1 | greedy match | reuse |", "|---|---|---|---|---|"]
-        for m, s in fid["summary"].items():
-            out.append(f"| {LABELS.get(m, m)} | {s['mean_kl']:.4f} | {s['top1_agree']:.0%} | "
-                       f"{s['greedy_match']:.0%} | {s['reuse_ratio']:.0%} |")
+    acc, fid = q["demo_accuracy"], q["stories_fidelity"]
+    out = _quality_block(
+        acc, "Demo-model accuracy",
+        f"Demo model, {acc.get('questions')} held-out questions (closed book: {acc.get('closed_book_accuracy', 0):.1%}):",
+        ["method", "accuracy", "single-hop", "two-hop", "same answer as full", "reuse"], acc.get("methods", {}),
+        lambda s: [f"{s['accuracy']:.1%}", f"{s['single_hop']:.1%}", f"{s['two_hop']:.1%}",
+                   f"{s['agreement_with_full']:.1%}", f"{s['reuse_ratio']:.0%}"])
+    out += [""] + _quality_block(
+        fid, "stories260K fidelity",
+        f"stories260K, {fid.get('prompts')} prompts of reordered warmed documents vs full prefill:",
+        ["method", "mean KL", "top-1", "greedy match", "reuse"], fid.get("summary", {}),
+        lambda s: [f"{s['mean_kl']:.4f}", f"{s['top1_agree']:.0%}", f"{s['greedy_match']:.0%}",
+                   f"{s['reuse_ratio']:.0%}"])
     return "\n".join(out)
 
 
