@@ -52,8 +52,9 @@ class Calibration:
 
 
 def cost(check_layer: int, ratio: float, num_layers: int) -> float:
-    """Layers up to the check layer recompute every re-placed token, the rest ``ratio`` of them."""
-    full = min(check_layer + 1, num_layers)
+    """Layers below the check layer recompute every re-placed token, the check layer and those above
+    ``ratio`` of them (the check layer's K/V-only pass over every token is small and left out)."""
+    full = min(check_layer, num_layers)
     return (full + ratio * (num_layers - full)) / num_layers
 
 

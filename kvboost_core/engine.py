@@ -271,15 +271,15 @@ class KVEngine:
                 logits = a.logits(hidden)[0, -1].float()
             final = schedule.base if trace.selected is None else torch.unique(torch.cat((schedule.base,
                                                                                         trace.selected)))
-            per_layer = trace.tokens_per_layer
+            per_layer, kv_only = trace.tokens_per_layer, trace.kv_only_tokens
         else:
             reused = min(plan.exact_len, total - 1)  # the last token's logits are the output: compute it
             logits = a.hf_prefill(ids_t, cache, reused).float()
             final = torch.arange(reused, total)
-            per_layer = [total - reused] * a.num_layers
+            per_layer, kv_only = [total - reused] * a.num_layers, 0
         t_fwd = time.perf_counter()
         stats = self._prefill_stats(plan, final, spec, per_layer)
-        stats.update(tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok, assemble_s=t_place - t_lookup,
+        stats.update(check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok, assemble_s=t_place - t_lookup,
                      forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
         self._counters.add(hits_exact=plan.hits_exact, hits_content=plan.hits_content, misses=plan.misses,
                            prefills=1)

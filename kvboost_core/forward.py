@@ -2,9 +2,10 @@
 
 Every reuse strategy is one schedule for this loop. Positions not computed keep the K/V already placed in
 the cache (exact or re-rotated); computed positions overwrite theirs in each layer they run through, and
-attend with an exactly causal mask over the whole buffer. CacheBlend computes a wider set up to its check
-layer, picks the tokens to keep recomputing there, and drops the rest: the layers above really see fewer
-tokens, so the saving is real rather than a copy of a full prefill.
+attend with an exactly causal mask over the whole buffer. CacheBlend computes a wider set below its check
+layer; at the check layer it computes only the K/V of that set (enough to score the deviation and to
+leave fresh K/V for every candidate there), picks the tokens to keep recomputing, and runs the rest of the
+check layer and every layer above for those alone: the saving is real rather than a copy of a full prefill.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Schedule:
 
 @dataclass(slots=True)
 class ForwardTrace:
-    tokens_per_layer: list[int] = field(default_factory=list)
+    tokens_per_layer: list[int] = field(default_factory=list)  # tokens through each whole layer
+    kv_only_tokens: int = 0  # tokens whose K/V alone were computed at the check layer
     selected: torch.Tensor | None = None  # positions CacheBlend kept recomputing
 
 
@@ -82,18 +84,23 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     try:
         for layer in range(adapter.num_layers):
             cache.positions = positions
-            hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
-            trace.tokens_per_layer.append(int(positions.numel()))
             if check is not None and layer == check:
+                # K/V of every computed token (scored by on_update before they overwrite the cached ones),
+                # then the whole layer for the kept tokens only, which attend to those fresh K/V.
+                adapter.layer_kv(layer, hidden, masks[layer], cos_sin, positions, cache)
+                trace.kv_only_tokens = int(positions.numel())
                 cache.on_update = None
                 keep = _select(schedule, scores.get("s"))
                 trace.selected = keep
                 new_positions = _union(schedule.base, keep)
                 idx = torch.searchsorted(positions, new_positions)
-                hidden = hidden[:, idx]  # (1, n', hidden): only these run through the layers above
+                hidden = hidden[:, idx]  # (1, n', hidden): only these run through this layer and the ones above
                 positions = new_positions
                 cos_sin = (cos_sin[0][:, idx], cos_sin[1][:, idx])
                 masks = _masks(adapter, positions, length)
+                cache.positions = positions
+            hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
+            trace.tokens_per_layer.append(int(positions.numel()))
     finally:
         cache.on_update = None
         cache.positions = None

@@ -52,17 +52,36 @@ def test_recomputed_tokens_ignore_later_tokens(eng, monkeypatch):
     assert any(diffs)
 
 
-def test_layers_above_check_see_only_selected_and_fresh(eng):
+def test_layers_from_check_see_only_selected_and_fresh(eng):
     prompt = docs_prompt([CORPUS[5], CORPUS[1], CORPUS[3], CORPUS[2]], " Why do birds sing?")
     res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=0.15, check_layer=1, store_prefix=False)
     s = res.stats
     reused = s["hits_content"]
     fresh = s["computed"]
     per_layer = s["tokens_per_layer"]
-    assert per_layer[0] == per_layer[1] == reused + fresh  # up to the check layer: every re-placed token
+    assert per_layer[0] == reused + fresh  # below the check layer: every re-placed token
+    assert s["check_kv_tokens"] == reused + fresh  # the check layer scores every one by its K/V alone
     limit = math.ceil(0.15 * reused) + fresh + 1  # +1: the last prompt token is always computed
-    assert all(n <= limit for n in per_layer[2:]), (per_layer, limit)
-    assert per_layer[2] < 0.5 * per_layer[0]
+    assert all(n <= limit for n in per_layer[1:]), (per_layer, limit)
+    assert per_layer[1] < 0.5 * per_layer[0]
+
+
+@pytest.mark.parametrize("check_layer", [0, 1])
+def test_check_layer_kv_is_fresh_for_every_candidate(eng, tiny_llama, check_layer):
+    """Below and at the check layer the K/V are a full prefill's (the K/V-only pass must write every candidate's,
+    not only the kept ones'); above it the unselected candidates keep the re-placed K/V, which differ."""
+    prompt = docs_prompt([CORPUS[4], CORPUS[0], CORPUS[6]], " Who?")
+    res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=0.15, check_layer=check_layer,
+                      store_prefix=False)
+    n = len(res.token_ids)
+    out = tiny_llama(input_ids=torch.tensor([res.token_ids]), use_cache=True)
+    ref = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+    for layer in range(check_layer + 1):
+        k, v = res.cache.keys[layer][0, :, :n], res.cache.values[layer][0, :, :n]  # (H, n, D)
+        assert torch.allclose(k, ref.layers[layer].keys[0], atol=1e-4), layer
+        assert torch.allclose(v, ref.layers[layer].values[0], atol=1e-4), layer
+    above = res.cache.keys[check_layer + 1][0, :, :n]
+    assert not torch.allclose(above, ref.layers[check_layer + 1].keys[0], atol=1e-4)
 
 
 @pytest.mark.parametrize("select", ["deviation", "value", "key", "recency", "deviation_recency"])

@@ -34,7 +34,7 @@ def test_grid_is_cheapest_first_and_below_the_last_layer():
     assert costs == sorted(costs)
     assert g[0] == (1, 0.15)  # the engine default is the cheapest setting tried
     assert all(1 <= c <= 2 for c, _ in g)  # check layer 3 of 4 would recompute every layer
-    assert cost(1, 0.15, 24) == pytest.approx((2 + 0.15 * 22) / 24)
+    assert cost(1, 0.15, 24) == pytest.approx((1 + 0.15 * 23) / 24)
 
 
 def test_loose_target_stops_at_the_cheapest_setting(tiny):
