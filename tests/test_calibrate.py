@@ -86,8 +86,8 @@ def test_bad_defaults_file_is_a_clear_error(tmp_path, body, match):
 
 @pytest.mark.skipif(not (dd.DEMO_MODEL_DIR / DEFAULTS_FILE).exists(), reason="no calibrated demo model")
 def test_shipped_demo_calibration_holds(report):
-    """The demo model's kvboost.json setting meets its recorded target on fresh prompts; the engine default does
-    not (why the file exists)."""
+    """The demo model's kvboost.json setting meets its recorded target on fresh prompts; where it is costlier than
+    the engine default, the default does not (why it was chosen)."""
     from kvboost_rag.cli import fidelity_prompts, load_engine
 
     saved = json.loads((dd.DEMO_MODEL_DIR / DEFAULTS_FILE).read_text())["calibration"]
@@ -103,5 +103,6 @@ def test_shipped_demo_calibration_holds(report):
     report.append(f"demo model cacheblend on 10 held-out fidelity prompts: default mean KL {default.mean_kl:.3f}, "
                   f"calibrated (check layer {saved['check_layer']}, ratio {saved['recompute_ratio']}) "
                   f"{shipped.mean_kl:.3f}")
-    assert default.mean_kl > saved["max_kl"]
     assert shipped.mean_kl <= 2 * saved["max_kl"]
+    if (saved["check_layer"], saved["recompute_ratio"]) != (1, 0.15):
+        assert default.mean_kl > saved["max_kl"]  # calibration chose a costlier setting: the default must fail
