@@ -1,4 +1,5 @@
-"""Every supported family: exact prefix hits equal a full prefill, and greedy generate equals HF generate."""
+"""Every supported family: exact prefix hits equal a full prefill, greedy generate equals HF generate, and
+CacheBlend's K/V-only check-layer pass writes a full prefill's K/V."""
 
 from __future__ import annotations
 
@@ -56,3 +57,20 @@ def test_full_repair_on_reordered_docs_equals_full_prefill(arch_model, tokenizer
     assert (ref - res.last_logits).abs().max().item() < 1e-4, arch
     blend = eng.prefill(prompt, repair="cacheblend", recompute_ratio=1.0, store_prefix=False)
     assert (ref - blend.last_logits).abs().max().item() < 1e-4, arch
+
+
+def test_check_layer_kv_only_pass_equals_full_prefill_kv(arch_model, tokenizer):
+    """CacheBlend's check layer computes K/V alone for the tokens it drops, by stopping the stock decoder layer at
+    its cache write: in every family (fused QKV, K norms, Gemma's scaled norms) those K/V must be a full prefill's."""
+    arch, model = arch_model
+    eng = engine_for(model, tokenizer)
+    eng.warm(CORPUS[:5])
+    prompt = docs_prompt([CORPUS[4], CORPUS[1], CORPUS[3]], " Who?", head="System: answer.")
+    res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=0.15, check_layer=1, store_prefix=False)
+    assert res.stats["check_kv_tokens"] > res.stats["tokens_per_layer"][1], arch  # some tokens were K/V-only
+    n = len(res.token_ids)
+    out = model(input_ids=torch.tensor([res.token_ids]), use_cache=True)
+    ref = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+    k, v = res.cache.keys[1][0, :, :n], res.cache.values[1][0, :, :n]  # (H, n, D)
+    assert torch.allclose(k, ref.layers[1].keys[0], atol=1e-4), arch
+    assert torch.allclose(v, ref.layers[1].values[0], atol=1e-4), arch
