@@ -279,8 +279,8 @@ class KVEngine:
             per_layer, kv_only = [total - reused] * a.num_layers, 0
         t_fwd = time.perf_counter()
         stats = self._prefill_stats(plan, final, spec, per_layer)
-        stats.update(check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok, assemble_s=t_place - t_lookup,
-                     forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
+        stats.update(check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
+                     assemble_s=t_place - t_lookup, forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
         self._counters.add(hits_exact=plan.hits_exact, hits_content=plan.hits_content, misses=plan.misses,
                            prefills=1)
         result = PrefillResult(token_ids=list(plan.token_ids), last_logits=logits,

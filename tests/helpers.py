@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvboost_core import Segment
+from kvboost_core.adapters import output_cache
 from kvboost_core.engine import KVEngine
 from kvboost_core.fidelity import compare_logits
 
@@ -19,9 +20,16 @@ def full_logits(model, ids) -> torch.Tensor:
     return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
 
 
+@torch.inference_mode()
+def full_prefill_kv(model, ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each (H, n, D), of a plain HF full prefill of ``ids``."""
+    cache = output_cache(model(input_ids=torch.tensor([list(ids)]), use_cache=True))
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
 def docs_prompt(docs, question: str, head: str | None = None) -> list[Segment]:
     segs = [Segment(text=head)] if head else []
     return segs + [Segment(text=d, cacheable=True) for d in docs] + [Segment(text=question)]
 
 
-__all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits"]
+__all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits", "full_prefill_kv"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import CORPUS
-from helpers import docs_prompt, engine_for, full_logits
+from helpers import docs_prompt, engine_for, full_logits, full_prefill_kv
 
 from kvboost_core.adapters import ModelAdapter
 
@@ -74,14 +74,13 @@ def test_check_layer_kv_is_fresh_for_every_candidate(eng, tiny_llama, check_laye
     res = eng.prefill(prompt, repair="cacheblend", recompute_ratio=0.15, check_layer=check_layer,
                       store_prefix=False)
     n = len(res.token_ids)
-    out = tiny_llama(input_ids=torch.tensor([res.token_ids]), use_cache=True)
-    ref = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+    ref = full_prefill_kv(tiny_llama, res.token_ids)
     for layer in range(check_layer + 1):
         k, v = res.cache.keys[layer][0, :, :n], res.cache.values[layer][0, :, :n]  # (H, n, D)
-        assert torch.allclose(k, ref.layers[layer].keys[0], atol=1e-4), layer
-        assert torch.allclose(v, ref.layers[layer].values[0], atol=1e-4), layer
+        assert torch.allclose(k, ref[layer][0], atol=1e-4), layer
+        assert torch.allclose(v, ref[layer][1], atol=1e-4), layer
     above = res.cache.keys[check_layer + 1][0, :, :n]
-    assert not torch.allclose(above, ref.layers[check_layer + 1].keys[0], atol=1e-4)
+    assert not torch.allclose(above, ref[check_layer + 1][0], atol=1e-4)
 
 
 @pytest.mark.parametrize("select", ["deviation", "value", "key", "recency", "deviation_recency"])
