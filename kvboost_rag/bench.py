@@ -37,14 +37,23 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
+    # real-scale timings on a GPU (bf16): 7.6B parameters, 15 GB of weights
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rope_theta=1000000.0),
     "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
 }
 REUSE_METHODS = ("none", "selective", "cacheblend")
 
 
-def build_model(shape: str, layers: int | None, seed: int = 0) -> tuple[Any, Any]:
-    """A random-weight model of a named shape (fp32) and a small tokenizer trained on the fly."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(shape: str, layers: int | None, seed: int = 0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """A random-weight model of a named shape and a small tokenizer trained on the fly. The weights are made
+    on ``device`` (a 7B shape initialised on the CPU first would take minutes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvboost_rag.tiny import tiny_tokenizer
@@ -56,21 +65,30 @@ def build_model(shape: str, layers: int | None, seed: int = 0) -> tuple[Any, Any
         spec["num_hidden_layers"] = layers
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     return model.eval(), tiny_tokenizer()
 
 
-def load_model(path: str) -> tuple[Any, Any]:
+def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval(), tok
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), tok
+
+
+def _sync() -> None:
+    """GPU work is asynchronous: a timer must wait for it (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return time.perf_counter() - t0, out
 
 
@@ -97,8 +115,10 @@ class ExactPrefixCache:
         if best is not None and best_n > 0:
             cache = copy.deepcopy(best)  # vLLM shares blocks without copying; keep the copy off the clock
             cache.crop(best_n - cache.get_seq_length())  # transformers 5: a negative count drops tokens
+        _sync()
         t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids[best_n:]]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([ids[best_n:]], device=self.model.device), cache=cache,
+                         use_cache=True, logits_to_keep=1)
         tok = int(torch.argmax(out.logits[0, -1]))
         dt = time.perf_counter() - t0
         self.entries.append((list(ids), output_cache(out)))
@@ -109,7 +129,8 @@ class ExactPrefixCache:
 @torch.inference_mode()
 def full_prefill(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
     """The fair baseline: HF forward of the whole prompt, logits for the last position only."""
-    return _timed(lambda: model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float())
+    return _timed(lambda: model(input_ids=torch.tensor([ids], device=model.device),
+                                logits_to_keep=1).logits[0, -1].float())
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -330,22 +351,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="a trained model for the KL/top-1 report (default ../shared/models/stories260K; "
                          "'none' skips)")
     ap.add_argument("--stories-prompts", type=int, default=20)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the engine and every baseline)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA build of torch and a visible GPU; use --device cpu")
 
     from kvboost_core.engine import KVEngine
 
-    model, tok = load_model(args.model) if args.model else build_model(args.shape, args.layers)
+    dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
+    model, tok = (load_model(args.model, args.device, dtype) if args.model
+                  else build_model(args.shape, args.layers, device=args.device, dtype=dtype))
     engine = KVEngine(model, tok, max_cache_bytes="16GiB")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     name = args.model or f"{args.shape} (random weights{'' if args.layers is None else f', {args.layers} layers'})"
-    print(f"bench: {name}, sizes {sizes}, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print(f"bench: {name}, sizes {sizes}, {args.rounds} rounds, {model.device} {dtype}, "
+          f"torch threads {torch.get_num_threads()}")
     result: dict[str, Any] = {
         "model": name, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "device": str(model.device), "dtype": str(dtype).removeprefix("torch."),
+                    "gpu": torch.cuda.get_device_name() if model.device.type == "cuda" else None},
         "engine": {"chunk_size": engine.config.chunk_size, "recompute_ratio": engine.config.recompute_ratio,
                    "select": engine.config.select, "overlap_k": engine.config.overlap_k,
                    "sink_tokens": engine.config.sink_tokens},
