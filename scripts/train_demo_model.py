@@ -61,11 +61,12 @@ def build_tokenizer(vocab_size: int, seed: int) -> Any:
     return fast
 
 
-def build_model(tok: Any, eager: bool = False) -> Any:
+def build_model(tok: Any, eager: bool = False, layers: int | None = None) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape = {**MODEL_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
     cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **MODEL_SHAPE)
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **shape)
     if eager:  # copy supervision reads one head's attention probabilities (2-3x slower steps)
         cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -80,17 +81,25 @@ def copyable_ids(tok: Any) -> torch.Tensor:
     return mask
 
 
-def encode_sample(tok: Any, sample: dd.TrainingSample) -> tuple[list[int], list[float]]:
-    """Token ids (BOS, pieces, EOS) and per-token loss weights (for the token at that position)."""
-    ids = [tok.bos_token_id]
-    weights = [0.0]
-    for text, kind in sample.pieces:
-        piece = tok(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        weights += [WEIGHTS[kind]] * len(piece)
-    ids.append(tok.eos_token_id)
-    weights.append(WEIGHTS["answer"])
-    return ids, weights
+def encode_samples(tok: Any, samples: list[dd.TrainingSample]) -> list[tuple[list[int], list[float]]]:
+    """Per sample: token ids (BOS, pieces, EOS) and per-token loss weights (for the token at that position).
+
+    Every piece of the batch goes to the Rust tokenizer in one call: one call per piece spent 5x longer in
+    per-call overhead than in tokenizing, which starved a GPU of batches."""
+    texts = [text for s in samples for text, _ in s.pieces]
+    pieces = iter(e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+    rows = []
+    for s in samples:
+        ids = [tok.bos_token_id]
+        weights = [0.0]
+        for _, kind in s.pieces:
+            piece = next(pieces)
+            ids += piece
+            weights += [WEIGHTS[kind]] * len(piece)
+        ids.append(tok.eos_token_id)
+        weights.append(WEIGHTS["answer"])
+        rows.append((ids, weights))
+    return rows
 
 
 def drill_sample(rng: random.Random) -> dd.TrainingSample:
@@ -104,16 +113,15 @@ def drill_sample(rng: random.Random) -> dd.TrainingSample:
 def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8, drill_share: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, loss weights, answer mask): right-padded; the mask marks answer tokens for accuracy tracking."""
-    rows = []
+    samples = []
     qa_rows = torch.ones(batch_size, 1, dtype=torch.bool)  # accuracy is tracked on question answers only
     for b in range(batch_size):
         if rng.random() < drill_share:
-            rows.append(encode_sample(tok, drill_sample(rng)))
+            samples.append(drill_sample(rng))
             qa_rows[b] = drill_share >= 1.0  # drill-only batches report their copy accuracy
             continue
-        sample = dd.training_sample(rng, min_docs=min(3, max_docs), max_docs=max_docs)
-        ids, w = encode_sample(tok, sample)
-        rows.append((ids, w))
+        samples.append(dd.training_sample(rng, min_docs=min(3, max_docs), max_docs=max_docs))
+    rows = encode_samples(tok, samples)
     width = max(len(ids) for ids, _ in rows)
     ids_t = torch.full((batch_size, width), tok.pad_token_id, dtype=torch.long)
     w_t = torch.zeros((batch_size, width))
@@ -121,6 +129,25 @@ def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8,
         ids_t[i, : len(ids)] = torch.tensor(ids)
         w_t[i, : len(w)] = torch.tensor(w)
     return ids_t, w_t, (w_t == WEIGHTS["answer"]) & qa_rows
+
+
+class BatchStream(torch.utils.data.IterableDataset):
+    """Endless training batches made in ``workers`` DataLoader processes (a GPU step outruns one Python
+    process making batches). The loop steers the curriculum through shared values the workers read per batch:
+    the drill share and the document cap (a prefetched batch or two lag behind, which does not matter)."""
+
+    def __init__(self, tok: Any, seed: int, batch_size: int) -> None:
+        import multiprocessing as mp
+
+        self.tok, self.seed, self.batch_size = tok, seed, batch_size
+        self.share = mp.Value("d", 1.0, lock=False)
+        self.max_docs = mp.Value("i", 2, lock=False)
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(self.seed * 1_000 + (info.id if info is not None else 0))
+        while True:
+            yield make_batch(self.tok, rng, self.batch_size, self.max_docs.value, self.share.value)
 
 
 def copy_supervision(attn: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -133,7 +160,7 @@ def copy_supervision(attn: torch.Tensor, ids: torch.Tensor, targets: torch.Tenso
     nxt = ids[:, 1:]  # (B, T-1): the token each position predicts
     T = ids.shape[1]
     same = ids[:, None, :] == nxt[:, :, None]  # (B, T-1, T): key j holds position p's next token
-    same &= torch.ones(T - 1, T, dtype=torch.bool).tril()  # causal: j <= p
+    same &= torch.ones(T - 1, T, dtype=torch.bool, device=ids.device).tril()  # causal: j <= p
     valid = targets[:, 1:] & same.any(-1)  # (B, T-1)
     if not bool(valid.any()):
         return attn.new_zeros(())
@@ -147,7 +174,9 @@ def weighted_loss(model: Any, ids: torch.Tensor, weights: torch.Tensor, answers:
     answer tokens)."""
     mask = (weights > 0).long()
     mask[:, 0] = 1  # BOS is attended to (the sink) though it is not predicted
-    out = model(input_ids=ids, attention_mask=mask, output_attentions=aux > 0)
+    # bf16 matmuls on a GPU (fp32 master weights and loss); plain fp32 on CPU, where bf16 is ~6x slower
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=aux > 0)
     logits = out.logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                             reduction="none").view(ids.shape[0], -1)
@@ -178,9 +207,10 @@ def train(args: argparse.Namespace, out: Path) -> None:
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     if args.resume and ckpt.exists():
         tok = AutoTokenizer.from_pretrained(out)
-        model = build_model(tok, eager=args.copy_aux > 0)
-        state = torch.load(ckpt, weights_only=False)
+        model = build_model(tok, eager=args.copy_aux > 0, layers=args.layers)
+        state = torch.load(ckpt, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
+        model.to(args.device)  # before the optimizer, whose state load follows the parameters' device
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
         opt.load_state_dict(state["opt"])
         step, elapsed0, rng_state = state["step"], state["elapsed"], state["rng"]
@@ -188,21 +218,30 @@ def train(args: argparse.Namespace, out: Path) -> None:
         phase0 = elapsed0  # the LR schedule restarts (warmup, cosine) over the resumed time box
         print(f"resumed at step {step}, {elapsed0 / 60:.1f} min trained", flush=True)
     else:
-        tok = build_tokenizer(args.vocab, args.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(out)
+        if not (args.keep_tokenizer and (out / "tokenizer.json").exists()):
+            # (BPE training can differ across `tokenizers` versions: --keep-tokenizer reuses the shipped one)
+            tok = build_tokenizer(args.vocab, args.seed)
+            out.mkdir(parents=True, exist_ok=True)
+            tok.save_pretrained(out)
         tok = AutoTokenizer.from_pretrained(out)
-        model = build_model(tok, eager=args.copy_aux > 0)
+        model = build_model(tok, eager=args.copy_aux > 0, layers=args.layers).to(args.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
         step, elapsed0, rng_state = 0, 0.0, None
         budget = args.minutes * 60
         phase0 = 0.0
-    copyable = copyable_ids(tok)
+    device = torch.device(args.device)
+    copyable = copyable_ids(tok).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, budget {budget / 60:.1f} min", flush=True)
+    print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, budget {budget / 60:.1f} min, device {device}, "
+          f"batch {args.batch}, batch workers {args.workers}", flush=True)
     rng = random.Random(args.seed + 1)
     if rng_state is not None:
         rng.setstate(rng_state)
+    stream = None
+    if args.workers > 0:  # batches from worker processes: not resumable bit for bit (each worker has its own rng)
+        stream = BatchStream(tok, args.seed + 1, args.batch)
+        batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                                   prefetch_factor=4, pin_memory=device.type == "cuda"))
     model.train()
     t0 = time.time() - elapsed0
     losses: list[float] = []
@@ -218,7 +257,11 @@ def train(args: argparse.Namespace, out: Path) -> None:
         max_docs = 8 if args.curriculum <= 0 else min(8, 2 + int(6 * frac / args.curriculum))
         # Phase 1: copy drills only, until induction heads exist (~150-250 steps); QA builds on them.
         share = 1.0 if step < args.drill_steps else args.drill_share
-        ids, w, ans = make_batch(tok, rng, args.batch, max_docs, share)
+        if stream is None:
+            ids, w, ans = make_batch(tok, rng, args.batch, max_docs, share)
+        else:
+            stream.share.value, stream.max_docs.value = share, max_docs
+            ids, w, ans = (t.to(device, non_blocking=True) for t in next(batches))
         loss, acc = weighted_loss(model, ids, w, ans, copyable, args.copy_aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -226,11 +269,11 @@ def train(args: argparse.Namespace, out: Path) -> None:
         opt.step()
         step += 1
         tokens += int(ids.numel())
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         accs.append(acc)
-        if step % 25 == 0:
-            print(f"step {step} t={elapsed / 60:.1f}m loss {statistics.fmean(losses[-25:]):.4f} "
-                  f"answer-token acc {statistics.fmean(accs[-25:]):.3f} "
+        if step % args.log_every == 0:
+            print(f"step {step} t={elapsed / 60:.1f}m loss {statistics.fmean(losses[-args.log_every:]):.4f} "
+                  f"answer-token acc {statistics.fmean(accs[-args.log_every:]):.3f} "
                   f"lr {opt.param_groups[0]['lr']:.2e} tok/s {tokens / max(elapsed - elapsed0, 1e-9):.0f}",
                   flush=True)
         if time.time() - last_save > 300:
@@ -434,6 +477,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=2400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu (fp32) or cuda (bf16 autocast); default: cuda when available")
+    p.add_argument("--workers", type=int, default=0,
+                   help="processes making batches (0: in the training process, resumable exactly)")
+    p.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {MODEL_SHAPE['num_hidden_layers']})")
+    p.add_argument("--keep-tokenizer", action="store_true", help="reuse the tokenizer already in --out")
+    p.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
+    p.add_argument("--no-eval", action="store_true", help="train only; measure later with --eval-only")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.card_only:
@@ -442,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.eval_only:
         write_data(args.out)
         train(args, args.out)
+        if args.no_eval:
+            return
     metrics = evaluate(args.out, args.eval_questions, ("full", "cacheblend", "none"))
     # tests/test_demo_model.py checks the first TEST_QUESTIONS questions against the floor: measure those too
     # and set the floor a few points under the lower of the two figures.
