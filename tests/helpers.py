@@ -17,13 +17,13 @@ def engine_for(model, tokenizer, **kw) -> KVEngine:
 
 @torch.inference_mode()
 def full_logits(model, ids) -> torch.Tensor:
-    return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+    return model(input_ids=torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
 
 
 @torch.inference_mode()
 def full_prefill_kv(model, ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each (H, n, D), of a plain HF full prefill of ``ids``."""
-    cache = output_cache(model(input_ids=torch.tensor([list(ids)]), use_cache=True))
+    cache = output_cache(model(input_ids=torch.tensor([list(ids)], device=model.device), use_cache=True))
     return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
 
