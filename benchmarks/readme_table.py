@@ -67,11 +67,11 @@ def workload_b_table(result: dict[str, Any]) -> str:
 
 
 def _quality_block(part: dict[str, Any], name: str, title: str, head: list[str], methods: dict[str, Any],
-                   cells: Any) -> list[str]:
+                   cells: Any, labels: dict[str, str] = LABELS) -> list[str]:
     """A quality section: its title and one table row per method, or the reason it was skipped."""
     if "skipped" in part:
         return [f"{name}: skipped ({part['skipped']})."]
-    return [title, "", *_md(head, [[LABELS.get(m, m), *cells(s)] for m, s in methods.items()])]
+    return [title, "", *_md(head, [[labels.get(m, m), *cells(s)] for m, s in methods.items()])]
 
 
 def quality_tables(result: dict[str, Any]) -> str:
@@ -79,12 +79,16 @@ def quality_tables(result: dict[str, Any]) -> str:
     if not q:
         return ""
     acc, fid = q["demo_accuracy"], q["stories_fidelity"]
+    setting = acc.get("cacheblend_setting")  # the model's own (calibrated) setting, when it ships one
+    labels = LABELS if not setting else {**LABELS, "cacheblend": (
+        f"kvboost `cacheblend`, r={setting['recompute_ratio']}, check layer {setting['check_layer']} (the setting "
+        "the engine loaded for this model)")}
     out = _quality_block(
         acc, "Demo-model accuracy",
         f"Demo model, {acc.get('questions')} held-out questions (closed book: {acc.get('closed_book_accuracy', 0):.1%}):",
         ["method", "accuracy", "single-hop", "two-hop", "same answer as full", "reuse"], acc.get("methods", {}),
         lambda s: [f"{s['accuracy']:.1%}", f"{s['single_hop']:.1%}", f"{s['two_hop']:.1%}",
-                   f"{s['agreement_with_full']:.1%}", f"{s['reuse_ratio']:.0%}"])
+                   f"{s['agreement_with_full']:.1%}", f"{s['reuse_ratio']:.0%}"], labels)
     out += [""] + _quality_block(
         fid, "stories260K fidelity",
         f"stories260K, {fid.get('prompts')} prompts of reordered warmed documents vs full prefill:",
