@@ -40,7 +40,7 @@ for v in $VARIANTS; do
   cp -r kvboost_rag/assets/demo_model "$WORK/train_$name"
   $PY scripts/train_demo_model.py --out "$WORK/train_$name" --ckpt-dir "$WORK/ckpt_$name" --keep-tokenizer \
     --no-eval --device "$DEVICE" --workers "$WORKERS" --batch 64 --layers "$layers" --lr "$lr" --minutes "$TRAIN_MIN" \
-    --drill-steps 1000 --drill-share 0.15 --curriculum 0.3 --log-every 200 >"$ART/train_$name.log" 2>&1 &
+    --log-every 200 >"$ART/train_$name.log" 2>&1 &
   pids+=($!)
   say "training $name: $layers layers, lr $lr, $TRAIN_MIN min (pid $!)"
 done

@@ -10,14 +10,21 @@ way to lower the loss on an answer is to read it from the documents in the promp
 one more world drawn with its own seed. ``scripts/train_demo_model.py`` measures the closed-book control
 (the same questions with no documents) to show it.
 
-Design choices that make in-context copying learnable by a tiny model in CPU-minutes:
-- entity names are invented words that the tokenizer keeps as single tokens (always after a space), so
-  finding an entity is one-token matching, the easiest thing attention learns;
-- every fact sits right after its entity and a cue phrase, so an answer is "the token after
-  (entity, cue)";
-- a two-hop answer is written as a chain, "<bridge>, so <answer>": each step is then a single lookup
-  (the second one keyed on the bridge the model has just written), which is how a small model can
-  combine two documents at all.
+Design choices that make in-context lookup learnable by a tiny model in CPU-minutes:
+- entity names, relation words, years and jobs are single tokens (always after a space);
+- documents are fact records, one fact per sentence, written "<subject> <relation> <value>." (a city:
+  "Vasel country Stutam. Vasel river Oram."), so a value is the token after the two-token key
+  (subject, relation);
+- every question ends with its entity ("What is the country of Vasel?"), so the answer's first token is a copy
+  from a fixed offset (asked mid-question, the entity was often miscopied: a first run wrote the wrong subject
+  in most of its wrong answers);
+- an answer first restates its key, then gives the value ("What is the country of Vasel?" -> "Vasel country
+  Stutam"). Writing the key is copying from the question; the value is then found by two-token induction,
+  matching the key just written against the documents. Two-token induction forms within minutes once
+  one-token copy heads exist (the training script drills those first); trained from scratch on lookups
+  alone it did not form within this CPU budget;
+- a two-hop answer is a chain of such steps, "Zam city Vasel; Vasel country Stutam": each step is one
+  lookup, the second keyed on the bridge the model has just written.
 """
 
 from __future__ import annotations
@@ -38,14 +45,14 @@ PROMPT_HEAD = "Documents:\n\n"
 DOC_SEPARATOR = "\n\n"
 # LangChain PromptTemplate form of :func:`build_prompt` (stuff-documents joins documents with "\n\n").
 PROMPT_TEMPLATE = "Documents:\n\n{context}\n\nQuestion: {input}\nAnswer:"
-CHAIN_SEPARATOR = ", so "  # "<bridge>, so <answer>" for two-hop questions
+CHAIN_SEPARATOR = "; "  # between the steps of a two-hop answer
+# the relation words of the fact records (each one token); a key is (subject, relation)
+RELATIONS = ["country", "river", "city", "founded", "founder", "born", "job", "employer"]
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "tr", "v",
            "z", "th", "sh"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
 _CODAS = ["", "n", "r", "l", "s", "k", "m"]
-ORG_KINDS = ["Institute", "Company", "Museum", "Library", "Guild", "Academy", "Bank", "Theatre", "Hospital",
-             "University"]
 JOBS = ["chemist", "baker", "pilot", "librarian", "engineer", "nurse", "painter", "carpenter", "geologist",
         "teacher", "surgeon", "architect", "sailor", "farmer", "poet", "judge", "banker", "tailor"]
 YEARS = list(range(1800, 2000))
@@ -78,7 +85,7 @@ class City:
 
 @dataclass
 class Org:
-    name: str  # "<Word> <Kind>"
+    name: str
     city: str
     year: int
     founder: str
@@ -105,7 +112,7 @@ class Doc:
 class QA:
     question: str
     answer: str  # the final answer (what correctness is judged on)
-    target: str  # the full trained answer text: ``answer``, or "<bridge>, so <answer>" for two-hop
+    target: str  # the full trained answer text: "<subject> <relation> <answer>", or a chain of two such steps
     doc_ids: list[str]  # the documents the answer needs
     hops: int
     template: str
@@ -124,26 +131,23 @@ def make_world(rng: random.Random, n_cities: int, n_orgs: int, n_people: int) ->
     n_words = n_cities * 3 + n_orgs * 2 + n_people
     words = rng.sample(WORDS, n_words)
     cities = [City(words.pop(), words.pop(), words.pop()) for _ in range(n_cities)]
-    kinds = rng.sample(ORG_KINDS * ((n_orgs // len(ORG_KINDS)) + 1), n_orgs)
-    orgs = [Org(f"{words.pop()} {kinds[i]}", rng.choice(cities).name, rng.choice(YEARS), words.pop())
-            for i in range(n_orgs)]
+    orgs = [Org(words.pop(), rng.choice(cities).name, rng.choice(YEARS), words.pop()) for _ in range(n_orgs)]
     people = [Person(words.pop(), rng.choice(cities).name, rng.choice(YEARS), rng.choice(JOBS),
                      rng.choice(orgs).name) for _ in range(n_people)]
     return World(cities, orgs, people)
 
 
-# Every entity mention follows a space (so it is the same single token everywhere), and every fact
-# follows its entity and a cue phrase that the matching question shares.
+# Fact records: every sentence is "<subject> <relation> <value>." with each part one token after a space.
 def city_text(c: City) -> str:
-    return f"The city of {c.name} is in the country of {c.country}. The river {c.river} flows through {c.name}."
+    return f"{c.name} country {c.country}. {c.name} river {c.river}."
 
 
 def org_text(o: Org) -> str:
-    return f"The {o.name} is in the city of {o.city}. The {o.name} was founded in {o.year} by {o.founder}."
+    return f"{o.name} city {o.city}. {o.name} founded {o.year}. {o.name} founder {o.founder}."
 
 
 def person_text(p: Person) -> str:
-    return f"The person {p.name} was born in {p.city} in {p.year}. {p.name} works as a {p.job} at the {p.org}."
+    return f"{p.name} city {p.city}. {p.name} born {p.year}. {p.name} job {p.job}. {p.name} employer {p.org}."
 
 
 def world_documents(world: World, prefix: str = "") -> list[Doc]:
@@ -153,10 +157,25 @@ def world_documents(world: World, prefix: str = "") -> list[Doc]:
     return docs
 
 
-def _qa(question: str, answer: str, doc_ids: list[str], template: str, bridge: str | None = None) -> QA:
-    if bridge is None:
-        return QA(question, answer, answer, doc_ids, 1, template)
-    return QA(question, answer, f"{bridge}{CHAIN_SEPARATOR}{answer}", doc_ids, 2, template)
+Step = tuple[str, str, str]  # (subject, relation, value): one fact, one lookup
+
+
+def _qa(question: str, steps: Sequence[Step], doc_ids: list[str], template: str) -> QA:
+    target = CHAIN_SEPARATOR.join(f"{s} {r} {v}" for s, r, v in steps)
+    return QA(question, str(steps[-1][2]), target, doc_ids, len(steps), template)
+
+
+def target_pieces(target: str) -> list[tuple[str, str]]:
+    """A trained answer split into restated keys ("key": copied from the question or the chain) and values
+    ("answer": the looked-up tokens), each led by a space, the last ending the line."""
+    pieces: list[tuple[str, str]] = []
+    for i, step in enumerate(target.split(CHAIN_SEPARATOR)):
+        key, value = step.rsplit(" ", 1)
+        pieces.append(((CHAIN_SEPARATOR.rstrip() if i else "") + " " + key, "key"))
+        pieces.append((" " + value, "answer"))
+    text, kind = pieces[-1]
+    pieces[-1] = (text + "\n", kind)
+    return pieces
 
 
 def world_questions(world: World, docs: Sequence[Doc]) -> list[QA]:
@@ -167,38 +186,43 @@ def world_questions(world: World, docs: Sequence[Doc]) -> list[QA]:
     out: list[QA] = []
     for c in world.cities:
         if (cid := by_entity.get(("city", c.name))) is not None:
-            out.append(_qa(f"In which country is the city of {c.name}?", c.country, [cid], "city_country"))
-            out.append(_qa(f"Which river flows through {c.name}?", c.river, [cid], "city_river"))
+            out.append(_qa(f"What is the country of {c.name}?", [(c.name, "country", c.country)], [cid],
+                           "city_country"))
+            out.append(_qa(f"Which river flows through {c.name}?", [(c.name, "river", c.river)], [cid],
+                           "city_river"))
     for o in world.orgs:
         if (oid := by_entity.get(("org", o.name))) is None:
             continue
-        out.append(_qa(f"In which city is the {o.name}?", o.city, [oid], "org_city"))
-        out.append(_qa(f"Who founded the {o.name}?", o.founder, [oid], "org_founder"))
-        out.append(_qa(f"When was the {o.name} founded?", str(o.year), [oid], "org_year"))
+        out.append(_qa(f"What is the city of {o.name}?", [(o.name, "city", o.city)], [oid], "org_city"))
+        out.append(_qa(f"Who founded {o.name}?", [(o.name, "founder", o.founder)], [oid], "org_founder"))
+        out.append(_qa(f"What is the founding year of {o.name}?", [(o.name, "founded", str(o.year))], [oid], "org_year"))
         if (cid := by_entity.get(("city", o.city))) is not None:
-            out.append(_qa(f"In which country is the {o.name}?", city[o.city].country, [oid, cid], "org_country",
-                           bridge=o.city))
+            out.append(_qa(f"What is the country of {o.name}?",
+                           [(o.name, "city", o.city), (o.city, "country", city[o.city].country)], [oid, cid],
+                           "org_country"))
     for p in world.people:
         if (pid := by_entity.get(("person", p.name))) is None:
             continue
-        out.append(_qa(f"Where was {p.name} born?", p.city, [pid], "person_city"))
-        out.append(_qa(f"When was {p.name} born?", str(p.year), [pid], "person_year"))
-        out.append(_qa(f"What is the job of {p.name}?", p.job, [pid], "person_job"))
-        out.append(_qa(f"Where does {p.name} work?", f"the {p.org}", [pid], "person_org"))
+        out.append(_qa(f"What is the city of {p.name}?", [(p.name, "city", p.city)], [pid], "person_city"))
+        out.append(_qa(f"What is the birth year of {p.name}?", [(p.name, "born", str(p.year))], [pid], "person_year"))
+        out.append(_qa(f"What is the job of {p.name}?", [(p.name, "job", p.job)], [pid], "person_job"))
+        out.append(_qa(f"Who employs {p.name}?", [(p.name, "employer", p.org)], [pid], "person_org"))
         if (cid := by_entity.get(("city", p.city))) is not None:
-            out.append(_qa(f"In which country was {p.name} born?", city[p.city].country, [pid, cid],
-                           "person_country", bridge=p.city))
+            out.append(_qa(f"What is the country of {p.name}?",
+                           [(p.name, "city", p.city), (p.city, "country", city[p.city].country)], [pid, cid],
+                           "person_country"))
         if (oid := by_entity.get(("org", p.org))) is not None:
-            out.append(_qa(f"In which city does {p.name} work?", org[p.org].city, [pid, oid], "person_work_city",
-                           bridge=f"the {p.org}"))
-            out.append(_qa(f"Who founded the place where {p.name} works?", org[p.org].founder, [pid, oid],
-                           "person_work_founder", bridge=f"the {p.org}"))
+            work = (p.name, "employer", p.org)
+            out.append(_qa(f"What is the city of the employer of {p.name}?", [work, (p.org, "city", org[p.org].city)],
+                           [pid, oid], "person_work_city"))
+            out.append(_qa(f"Who founded the employer of {p.name}?", [work, (p.org, "founder", org[p.org].founder)],
+                           [pid, oid], "person_work_founder"))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- prompts
 def build_prompt(doc_texts: Sequence[str], question: str) -> str:
-    """The RAG prompt format the demo model was trained on (the answer follows as " <answer>\\n")."""
+    """The RAG prompt format the demo model was trained on (the answer follows as " <key> <value>\\n")."""
     return PROMPT_HEAD + DOC_SEPARATOR.join(doc_texts) + f"\n\nQuestion: {question}\nAnswer:"
 
 
@@ -208,12 +232,11 @@ def closed_book_prompt(question: str) -> str:
 
 
 def normalize_answer(text: str) -> str:
-    """The final answer of a generation: first line, the part after the last ", so " (two-hop chains),
-    trimmed, a leading "the " and trailing punctuation dropped, lower-cased, whitespace collapsed."""
+    """The final answer of a generation: the last word of its first line (after the restated key and any
+    chain step), trailing punctuation dropped, lower-cased. A bare value normalises to itself."""
     line = text.strip().split("\n", 1)[0] if text.strip() else ""
-    line = line.rsplit(CHAIN_SEPARATOR.strip(), 1)[-1] if CHAIN_SEPARATOR in line else line
-    line = re.sub(r"\s+", " ", line.strip().rstrip(".!?,;:").strip()).lower()
-    return line[4:] if line.startswith("the ") else line
+    words = re.sub(r"[.!?,;:]+", " ", line).split()
+    return words[-1].lower() if words else ""
 
 
 def is_correct(generated: str, answer: str) -> bool:
@@ -247,7 +270,7 @@ def training_sample(rng: random.Random, min_docs: int = 3, max_docs: int = 8, ma
     pieces: list[tuple[str, str]] = [(head, "context")]
     for i, q in enumerate(picked):
         pieces.append(((DOC_SEPARATOR if i == 0 else "\n") + f"Question: {q.question}\nAnswer:", "question"))
-        pieces.append((f" {q.target}\n", "answer"))
+        pieces += target_pieces(q.target)
     return TrainingSample(pieces)
 
 
@@ -257,7 +280,7 @@ def tokenizer_training_text(n: int, seed: int) -> Iterable[str]:
         yield "".join(t for t, _ in training_sample(rng).pieces)
     # every inventory word, year and job after a space, often enough for BPE to keep each one whole
     for _ in range(30):
-        yield " " + " ".join(WORDS) + " " + " ".join(map(str, YEARS)) + " " + " ".join(JOBS + ORG_KINDS)
+        yield " " + " ".join(WORDS) + " " + " ".join(map(str, YEARS)) + " " + " ".join(JOBS + RELATIONS)
 
 
 # ---------------------------------------------------------------------------------------------- corpus

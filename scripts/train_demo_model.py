@@ -34,9 +34,11 @@ CHAT_TEMPLATE = (
 )
 MODEL_SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=10000.0)
-# Loss weight per piece kind. Answers are the signal; a question's entity is a copy of a document's (cheap
-# extra copy practice); document text is mostly random names, i.e. unpredictable noise.
-WEIGHTS = {"answer": 1.0, "question": 0.3, "context": 0.1}
+# Loss weight per piece kind. Answers are the signal, the restated key as much as the value (a miscopied
+# subject makes the lookup fail: a run with keys at 0.5 wrote the wrong subject in most wrong answers); a
+# question's entity is a copy of a document's (cheap extra copy practice); document text is mostly
+# random names, i.e. unpredictable noise.
+WEIGHTS = {"answer": 1.0, "key": 1.0, "question": 0.3, "context": 0.1}
 FLOOR_MARGIN = 0.05
 TEST_QUESTIONS = 60  # how many held-out questions tests/test_demo_model.py asks
 COMMAND = " ".join(["python", "scripts/train_demo_model.py", *sys.argv[1:]])
@@ -76,7 +78,7 @@ def build_model(tok: Any, eager: bool = False, layers: int | None = None) -> Any
 def copyable_ids(tok: Any) -> torch.Tensor:
     """Bool over the vocabulary: entity words, years, jobs and organisation kinds (the tokens answers copy)."""
     mask = torch.zeros(len(tok), dtype=torch.bool)
-    for w in [*dd.WORDS, *map(str, dd.YEARS), *dd.JOBS, *dd.ORG_KINDS]:
+    for w in [*dd.WORDS, *map(str, dd.YEARS), *dd.JOBS]:
         mask[tok(" " + w, add_special_tokens=False)["input_ids"]] = True
     return mask
 
@@ -102,22 +104,39 @@ def encode_samples(tok: Any, samples: list[dd.TrainingSample]) -> list[tuple[lis
     return rows
 
 
+# Every token kind an answer holds or a key is made of: copy heads trained on names alone did not copy years or
+# jobs (a first run answered every year question with the same year) nor match keys ending in a relation word.
+DRILL_VOCAB = [*dd.WORDS, *map(str, dd.YEARS), *dd.JOBS, *dd.RELATIONS]
+
+
 def drill_sample(rng: random.Random) -> dd.TrainingSample:
     """A copy drill: 8-40 random entity words, then the same words again (loss on the copy). Pure induction,
     which a fresh model learns in about 200 steps here; question answering then builds on those heads
     (without drills the model sat at guessing level for 45 CPU-minutes)."""
-    words = " " + " ".join(rng.choices(dd.WORDS, k=rng.randint(8, 40)))
+    words = " " + " ".join(rng.choices(DRILL_VOCAB, k=rng.randint(8, 40)))
     return dd.TrainingSample([(words, "context"), (words, "answer")])
 
 
-def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8, drill_share: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, loss weights, answer mask): right-padded; the mask marks answer tokens for accuracy tracking."""
+def pair_drill_sample(rng: random.Random) -> dd.TrainingSample:
+    """A two-token copy drill: 12-40 words from a pool of about a quarter as many, then the same words again.
+    Each word occurs about four times, so only the two-token context fixes the next copy: the match a fact
+    lookup needs (key = subject, relation). From scratch this stayed at guessing level for 2,800 steps; on top
+    of formed one-token copy heads it reached 0.77 copy accuracy in 400 steps."""
+    k = rng.randint(12, 40)
+    pool = rng.sample(DRILL_VOCAB, max(3, k // 4))
+    words = " " + " ".join(rng.choices(pool, k=k))
+    return dd.TrainingSample([(words, "context"), (words, "answer")])
+
+
+def make_batch(tok: Any, rng: random.Random, batch_size: int, max_docs: int = 8, drill_share: float = 0.0,
+               pair_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, loss weights, answer mask): right-padded; the mask marks answer tokens for accuracy tracking.
+    ``drill_share`` of the rows are copy drills, ``pair_share`` of those two-token drills."""
     samples = []
     qa_rows = torch.ones(batch_size, 1, dtype=torch.bool)  # accuracy is tracked on question answers only
     for b in range(batch_size):
         if rng.random() < drill_share:
-            samples.append(drill_sample(rng))
+            samples.append(pair_drill_sample(rng) if rng.random() < pair_share else drill_sample(rng))
             qa_rows[b] = drill_share >= 1.0  # drill-only batches report their copy accuracy
             continue
         samples.append(dd.training_sample(rng, min_docs=min(3, max_docs), max_docs=max_docs))
@@ -141,13 +160,15 @@ class BatchStream(torch.utils.data.IterableDataset):
 
         self.tok, self.seed, self.batch_size = tok, seed, batch_size
         self.share = mp.Value("d", 1.0, lock=False)
+        self.pair_share = mp.Value("d", 0.0, lock=False)
         self.max_docs = mp.Value("i", 2, lock=False)
 
     def __iter__(self) -> Any:
         info = torch.utils.data.get_worker_info()
         rng = random.Random(self.seed * 1_000 + (info.id if info is not None else 0))
         while True:
-            yield make_batch(self.tok, rng, self.batch_size, self.max_docs.value, self.share.value)
+            yield make_batch(self.tok, rng, self.batch_size, self.max_docs.value, self.share.value,
+                             self.pair_share.value)
 
 
 def copy_supervision(attn: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,6 +213,48 @@ def weighted_loss(model: Any, ids: torch.Tensor, weights: torch.Tensor, answers:
     return loss, acc
 
 
+class Phases:
+    """The curriculum's phases, each ended by accuracy rather than a step count (with a step cap):
+    "drill" (one-token copy drills) until their copy accuracy over the last 50 steps reaches ``drill_until``,
+    then "pair" (two-token drills) until ``pair_until``, then "qa" (question answering, drills mixed in).
+    Induction forms abruptly after a variable delay, so fixed step counts either waste minutes or move on too
+    early."""
+
+    WINDOW = 50
+
+    def __init__(self, args: argparse.Namespace, name: str = "drill") -> None:
+        self.args, self.name, self.steps = args, name, 0
+        self.accs: list[float] = []
+        self.qa_start: float | None = None  # elapsed seconds when question answering began
+        self.log: list[dict[str, Any]] = []  # the transitions, for the training log and the card
+
+    def mix(self) -> tuple[float, float]:
+        """(drill share, two-token share of the drills) for the next batch."""
+        if self.name == "drill":
+            return 1.0, 0.0
+        if self.name == "pair":
+            return 1.0, 1.0
+        return self.args.drill_share, 0.5
+
+    def update(self, acc: float, step: int, elapsed: float) -> None:
+        self.steps += 1
+        if self.name == "qa":
+            return
+        self.accs.append(acc)
+        recent = statistics.fmean(self.accs[-self.WINDOW:])
+        until, cap, nxt = ((self.args.drill_until, self.args.drill_steps, "pair") if self.name == "drill"
+                           else (self.args.pair_until, self.args.pair_drill_steps, "qa"))
+        if (len(self.accs) >= self.WINDOW and recent >= until) or self.steps >= cap:
+            print(f"phase {self.name} -> {nxt} at step {step}, t={elapsed / 60:.1f}m, copy acc {recent:.3f} "
+                  f"over the last {self.WINDOW} steps", flush=True)
+            self.log.append({"phase": self.name, "next": nxt, "step": step, "minutes": round(elapsed / 60, 1),
+                             "copy_acc": round(recent, 3)})
+            self.name, self.steps = nxt, 0
+            self.accs.clear()
+            if nxt == "qa":
+                self.qa_start = elapsed
+
+
 def lr_at(frac: float, peak: float, warmup: float = 0.03) -> float:
     """Linear warmup, then cosine decay to 10% over the time box (the schedule follows time, not steps)."""
     if frac < warmup:
@@ -214,6 +277,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
         opt.load_state_dict(state["opt"])
         step, elapsed0, rng_state = state["step"], state["elapsed"], state["rng"]
+        phases = Phases(args, state.get("phase", "qa"))
         budget = elapsed0 + args.minutes * 60
         phase0 = elapsed0  # the LR schedule restarts (warmup, cosine) over the resumed time box
         print(f"resumed at step {step}, {elapsed0 / 60:.1f} min trained", flush=True)
@@ -227,6 +291,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
         model = build_model(tok, eager=args.copy_aux > 0, layers=args.layers).to(args.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
         step, elapsed0, rng_state = 0, 0.0, None
+        phases = Phases(args)
         budget = args.minutes * 60
         phase0 = 0.0
     device = torch.device(args.device)
@@ -252,15 +317,17 @@ def train(args: argparse.Namespace, out: Path) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at((elapsed - phase0) / (budget - phase0), args.lr, warmup=0.05)
         # Curriculum: 1-2 documents first (a lookup without distractors), growing to 3-8 over the first
-        # ``--curriculum`` share of the time box.
-        frac = (elapsed - phase0) / (budget - phase0)
+        # ``--curriculum`` share of the question-answering time.
+        if phases.qa_start is None and phases.name == "qa":
+            phases.qa_start = phase0  # resumed in the qa phase
+        qa0 = phases.qa_start if phases.qa_start is not None else elapsed
+        frac = (elapsed - qa0) / max(budget - qa0, 1e-9)
         max_docs = 8 if args.curriculum <= 0 else min(8, 2 + int(6 * frac / args.curriculum))
-        # Phase 1: copy drills only, until induction heads exist (~150-250 steps); QA builds on them.
-        share = 1.0 if step < args.drill_steps else args.drill_share
+        share, pair = phases.mix()
         if stream is None:
-            ids, w, ans = make_batch(tok, rng, args.batch, max_docs, share)
+            ids, w, ans = make_batch(tok, rng, args.batch, max_docs, share, pair)
         else:
-            stream.share.value, stream.max_docs.value = share, max_docs
+            stream.share.value, stream.pair_share.value, stream.max_docs.value = share, pair, max_docs
             ids, w, ans = (t.to(device, non_blocking=True) for t in next(batches))
         loss, acc = weighted_loss(model, ids, w, ans, copyable, args.copy_aux)
         opt.zero_grad(set_to_none=True)
@@ -271,30 +338,34 @@ def train(args: argparse.Namespace, out: Path) -> None:
         tokens += int(ids.numel())
         losses.append(float(loss.detach()))
         accs.append(acc)
+        phases.update(acc, step, elapsed)
         if step % args.log_every == 0:
             print(f"step {step} t={elapsed / 60:.1f}m loss {statistics.fmean(losses[-args.log_every:]):.4f} "
                   f"answer-token acc {statistics.fmean(accs[-args.log_every:]):.3f} "
-                  f"lr {opt.param_groups[0]['lr']:.2e} tok/s {tokens / max(elapsed - elapsed0, 1e-9):.0f}",
+                  f"({phases.name}) lr {opt.param_groups[0]['lr']:.2e} tok/s {tokens / max(elapsed - elapsed0, 1e-9):.0f}",
                   flush=True)
         if time.time() - last_save > 300:
-            save(model, opt, tok, out, ckpt, step, time.time() - t0, rng, losses)
+            save(model, opt, tok, out, ckpt, step, time.time() - t0, rng, losses, phases)
             last_save = time.time()
-    save(model, opt, tok, out, ckpt, step, time.time() - t0, rng, losses)
+    save(model, opt, tok, out, ckpt, step, time.time() - t0, rng, losses, phases)
 
 
 def save(model: Any, opt: Any, tok: Any, out: Path, ckpt: Path, step: int, elapsed: float, rng: random.Random,
-         losses: list[float]) -> None:
+         losses: list[float], phases: Phases) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                "rng": rng.getstate()}, ckpt)
+                "rng": rng.getstate(), "phase": phases.name}, ckpt)
     log = ckpt.parent / "demo_model.train.json"
     # every command that trained these weights, in order (a --resume run appends itself)
-    commands = json.loads(log.read_text()).get("commands", []) if log.exists() else []
+    prev = json.loads(log.read_text()) if log.exists() else {}
+    commands = prev.get("commands", [])
     if not commands or commands[-1] != COMMAND:
         commands.append(COMMAND)
+    transitions = [t for t in prev.get("phases", []) if t not in phases.log] + phases.log
     info = {"steps": step, "train_minutes": round(elapsed / 60, 1),
-            "final_loss": round(statistics.fmean(losses[-100:]), 4) if losses else None, "commands": commands}
+            "final_loss": round(statistics.fmean(losses[-100:]), 4) if losses else None, "commands": commands,
+            "phases": transitions}
     log.write_text(json.dumps(info))
     print(f"saved step {step} ({elapsed / 60:.1f} min)", flush=True)
 
@@ -336,6 +407,46 @@ def _row(name: str, m: dict[str, Any]) -> str:
             f"{_pct(m['mean_reuse_ratio'])} |")
 
 
+def _flag(commands: list[str], flag: str, default: str) -> str:
+    """The value a training command gave ``flag`` (the last command that set it), else the script default."""
+    for c in reversed(commands):
+        words = c.split()
+        if flag in words and words.index(flag) + 1 < len(words):
+            return words[words.index(flag) + 1]
+    return default
+
+
+def _phase_lines(phases: list[dict[str, Any]]) -> str:
+    names = {"drill": "one-token copy drills (8-40 random words, then the same words again)",
+             "pair": "two-token copy drills (12-40 words from a pool of a quarter as many, then again)"}
+    lines = [f"- {names.get(t['phase'], t['phase'])}: until step {t['step']:,} ({t['minutes']} min), copy accuracy "
+             f"{t['copy_acc']:.2f} over the last 50 steps;" for t in phases]
+    return "\n".join(lines + ["- then question answering, with 20% of the sequences still drills (half of them "
+                               "two-token), the documents per sequence growing from 2 to 3-8 over its first 30%."])
+
+
+def _calibration_note(path: Path) -> str:
+    """What `kvboost-rag calibrate --write` measured, from the kvboost.json it wrote."""
+    cal = json.loads(path.read_text()).get("calibration", {})
+    trials = cal.get("trials", [])
+    if not trials:
+        return "The CacheBlend setting comes from `kvboost.json` beside the weights."
+    first, chosen = trials[0], trials[-1]
+    if len(trials) == 1:
+        default = " (the engine default)" if (chosen["check_layer"], chosen["recompute_ratio"]) == (1, 0.15) else ""
+        return (f"`kvboost-rag calibrate --write` found that the cheapest setting, ratio {chosen['recompute_ratio']} "
+                f"at check layer {chosen['check_layer']}{default}, already meets mean KL <= "
+                f"{cal.get('max_kl')} and top-1 >= {cal.get('min_top1'):.0%} against full prefill on this model "
+                f"(KL {chosen['mean_kl']:.3f}, top-1 {chosen['top1_agree']:.0%}); `kvboost.json` records it.")
+    return (f"The CacheBlend setting comes from `kvboost.json` beside the weights, written by `kvboost-rag calibrate "
+            f"--write`: it tried {len(trials)} setting(s), cheapest first, and kept the first with mean KL <= "
+            f"{cal.get('max_kl')} and top-1 >= {cal.get('min_top1'):.0%} against full prefill (ratio "
+            f"{chosen['recompute_ratio']}, check layer {chosen['check_layer']}: KL {chosen['mean_kl']:.3f}, top-1 "
+            f"{chosen['top1_agree']:.0%}; the cheapest setting tried, ratio {first['recompute_ratio']} at check layer "
+            f"{first['check_layer']}, gave KL {first['mean_kl']:.3f}, top-1 {first['top1_agree']:.0%}). "
+            f"`KVEngine.from_pretrained` applies it.")
+
+
 def write_card(out: Path, metrics: dict[str, Any]) -> None:
     """MODEL_CARD.md from metrics.json (the figures are measured, never typed in)."""
     from transformers import AutoConfig
@@ -356,13 +467,10 @@ def write_card(out: Path, metrics: dict[str, Any]) -> None:
         rows.append(_row("reuse without repair (`repair=\"none\"`)", metrics["none"]))
     table = "\n".join(rows)
     cmds = train.get("commands") or [f"python scripts/train_demo_model.py --minutes {train.get('train_minutes', '?')}"]
-    calib_note = ("The CacheBlend setting comes from `kvboost.json` beside the weights, written by `kvboost-rag "
-                  "calibrate --write`: the engine default (ratio 0.15, check layer 1) leaves a mean KL of about 1.0 "
-                  "against full prefill on this model (its document tokens attend heavily across documents), "
-                  "and `KVEngine.from_pretrained` applies the calibrated setting instead."
-                  if calibrated else "")
+    calib_note = _calibration_note(out / "kvboost.json") if calibrated else ""
     by_template = ", ".join(f"{t} {a}/{n}" for t, (a, n) in metrics["full"].get("by_template", {}).items())
     commands = "Commands, in order:\n\n" + "\n".join(f"    {c}" for c in cmds)
+    phase_lines = _phase_lines(train.get("phases", []))
     card = f"""# kvboost-rag embedded demo model
 
 A small Llama-architecture model trained from scratch on CPU by `scripts/train_demo_model.py`, to answer
@@ -375,22 +483,26 @@ without KV reuse, offline. It knows nothing about the world: it can only copy or
   RoPE theta 10000, max positions {cfg.max_position_embeddings}, tied embeddings.
 - {n_params / 1e6:.2f}M parameters, fp32 safetensors of {size / 2**20:.1f} MiB.
 - Tokenizer: byte-level BPE, vocabulary {cfg.vocab_size}, trained on the generated text so that every
-  invented name, year, job and organisation kind is one token after a space; BOS `<s>` in front, EOS
+  invented name, relation word, year and job is one token after a space; BOS `<s>` in front, EOS
   `</s>`, pad `<pad>`, and a simple `<|role|>` chat template (not used in training).
 
 ## Data (all generated, seeded; `kvboost_rag/demo_data.py`)
 - Random worlds of cities (country, river), organisations (city, founding year, founder) and people (birth
-  city and year, job, employer), named from an inventory of {len(dd.WORDS)} invented two-syllable words. Documents:
-  "The city of X is in the country of Y. The river Z flows through X.", "The X Museum is in the city of Y.
-  The X Museum was founded in 1873 by Z.", "The person X was born in Y in 1950. X works as a poet at the Z Bank."
+  city, birth year, job, employer), named from an inventory of {len(dd.WORDS)} invented two-syllable words.
+- Documents are fact records, one fact per sentence, `<subject> <relation> <value>.`, every part one token:
+  "Vasel country Stutam. Vasel river Oram." (a city), "Kredur city Vasel. Kredur founded 1873. Kredur
+  founder Dulam." (an organisation), "Zam city Vasel. Zam born 1950. Zam job poet. Zam employer Kredur."
+  (a person).
+- Questions are plain and end with their entity ("What is the country of Vasel?", "Who founded the employer
+  of Zam?"). An answer first restates its key, then gives the value: "Vasel country Stutam". A two-hop answer chains two such steps:
+  "Zam employer Kredur; Kredur founder Dulam". Writing the key is copying from the question (or from the
+  chain); the value is then the token that follows the same two tokens in a document, which is two-token
+  induction. Correctness is judged on the last word of the answer line.
 - Each training sequence is a fresh random world (4 cities, 3 organisations, 4 people): 3-8 of its
   documents in random order, then up to 16 questions answerable from them, about 35% two-hop when possible.
-  Format: `<s>Documents:\\n\\n<doc>\\n\\n<doc>...\\n\\nQuestion: ...\\nAnswer: <answer>\\n...</s>`. A two-hop
-  answer is written as a chain, `<bridge>, so <answer>` ("In which country was X born?" -> "Kopoul, so
-  Stutam"): each step is then one lookup, the second keyed on the bridge the model has just written, and
-  the second document it needs is found through the first. Correctness is judged on the final answer.
-- Loss weights: answer tokens 1.0, question tokens 0.3 (the entity in a question is a copy from a
-  document), document tokens 0.1 (mostly random names: noise).
+  Format: `<s>Documents:\\n\\n<doc>\\n\\n<doc>...\\n\\nQuestion: ...\\nAnswer: <key> <value>\\n...</s>`.
+- Loss weights: answer values {WEIGHTS["answer"]}, restated keys {WEIGHTS["key"]}, question tokens {WEIGHTS["question"]} (the entity in a
+  question is a copy from a document), document tokens {WEIGHTS["context"]} (mostly random names: noise).
 - **Why this measures reading, not memory**: no fact is stable across training sequences (every sequence
   is a new random world), so there is nothing to memorise; the bundled corpus (`corpus.jsonl`, {len(docs)}
   documents: 30 cities, 40 organisations, 60 people) is one more world drawn with its own seed, and
@@ -401,25 +513,23 @@ without KV reuse, offline. It knows nothing about the world: it can only copy or
 ## Training
 {commands}
 
-Script defaults: `--drill-steps 3500 --drill-share 0.25 --curriculum 0.3 --lr 3e-3 --batch 16`. AdamW (betas
-0.9/0.95, weight decay 0.05), LR warmup then cosine decay to 10% over each command's time box (`--resume`
-keeps weights and optimizer state and restarts the schedule, and the document curriculum, over its own box),
-grad clip 1.0.
-{train.get("steps", "?")} steps, {train.get("train_minutes", "?")} CPU-minutes (one thread of a shared 2-core machine); final
-weighted training loss {train.get("final_loss", "?")}.
+AdamW (betas 0.9/0.95, weight decay 0.05), LR warmup then cosine decay to 10% over the command's time box,
+grad clip 1.0, batch {_flag(cmds, "--batch", "16")}, {_flag(cmds, "--threads", "2")} CPU threads.
+{train.get("steps", 0):,} steps in {train.get("train_minutes", "?")} minutes on a 2-core CPU machine; final weighted
+training loss {train.get("final_loss", "?")}.
 
-How the shipped weights were trained: the first 3,500 steps are **copy drills only** (8-40 random entity
-words, then the same words again, loss on the copy). Content-based copying (induction heads), the circuit that
-answering builds on, forms abruptly: drill copy accuracy sat at 4-12% for 1,500 steps, then rose to 92% by
-step 2,100 and 97.6% by 3,500. Earlier attempts that mixed drills into question answering from the start, or
-trained on questions alone, stayed at guessing level for 45 CPU-minutes. After the drills, sequences are
-question answering with 25% drills kept in: answer-token accuracy (teacher-forced, answer and newline tokens)
-sat at the format-only plateau of 0.55 for about 500 steps, rose to 0.69 by step 5,300, and stayed there to
-the end. A second transition, to reliable subject + relation lookup, did not happen within this budget.
+The curriculum has three phases, each ended by accuracy (`--drill-until`, `--pair-until`), not by a step count:
+{phase_lines}
+The order matters. Two-token copying trained from scratch stayed at guessing level (copy accuracy 0.25)
+for 2,800 steps; started from a model with one-token copy heads it reached 0.77 within 400 steps. An earlier
+format without restated keys ("The river of X is Y.", answers alone) plateaued at type-guessing: the model that
+shipped before this one answered 23.5% of the same kind of questions after 120 CPU-minutes. Two earlier runs of
+this format taught what the recipe now does: drills over names alone left years and jobs uncopied (every year
+question got the same year), and with the entity in mid-question and keys at half weight, most wrong answers
+began with the wrong subject (held-out 35-42% after 15-25 minutes).
 
 ## Held-out accuracy
-Exact match of the greedy answer's final part (first line; after ", so " for chains; trimmed, case and
-punctuation normalised) on the first {metrics["questions"]} held-out questions, prompt = the question's
+Exact match of the last word of the greedy answer's first line (case and punctuation normalised) on the first {metrics["questions"]} held-out questions, prompt = the question's
 `context_ids` documents, whole corpus warmed (`KVBoostRAG` transparent mode):
 
 | prefill | all | single-hop | two-hop | mean reuse ratio |
@@ -441,18 +551,16 @@ requires full/cacheblend answer agreement of at least {_pct(metrics["agreement_f
 figure) and a closed-book accuracy far below the open-book one.
 
 ## Limits
-- **It does not reliably look facts up.** It answers with an entity of the right type taken from its
-  documents, which is often right when the prompt holds few candidates (countries: most prompts mention one
-  to three), and rarely right for relations with many candidates (years, founders, rivers); see the
-  per-template counts above. Treat it as a test fixture that reads its prompt, not as a QA model.
-- Its answers are fragile: with several same-type candidates in the prompt the top logits are close, so small
-  changes to the KV flip the answer. Its document tokens also depend heavily on the other documents in the
-  prompt (it was trained only on multi-document prompts), so re-placed document KV needs more repair here than
-  on the stories260K model: see `kvboost-rag fidelity` (README: "Demo model").
-- A toy: tiny, trained for about two CPU-hours, on one narrow prompt format. It answers only questions shaped
-  like the training templates about documents shaped like the training documents. In `kvboost-rag demo` the
-  retriever (a hashing bag-of-words embedding) rarely finds the second document of a two-hop question, so the
-  demo asks single-hop questions first.
+- A toy: {n_params / 1e6:.1f}M parameters, trained for under an hour of CPU, on one narrow prompt format. It reads
+  fact records shaped like the training documents and answers the 13 question templates above; anything
+  else is out of distribution. It knows nothing about the world.
+- It looks facts up, but not perfectly: see the per-template counts. A two-hop chain fails when either of its
+  steps does. With several same-type candidates in the prompt a wrong lookup still produces a plausible
+  answer of the right type.
+- How much repair re-placed document KV needs is model-specific; this model's calibrated setting is in
+  `kvboost.json` (see `kvboost-rag calibrate`), and `kvboost-rag fidelity` reports KL / top-1 per method.
+- In `kvboost-rag demo` the retriever (a hashing bag-of-words embedding) rarely finds the second document of a
+  two-hop question, so the demo asks single-hop questions first.
 """
     (out / "MODEL_CARD.md").write_text(card)
 
@@ -471,8 +579,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--curriculum", type=float, default=0.3,
                    help="share of the time box over which the documents per sequence grow from 2 to 3-8")
-    p.add_argument("--drill-share", type=float, default=0.25, help="share of sequences that are copy drills")
-    p.add_argument("--drill-steps", type=int, default=3500, help="initial steps of copy drills only")
+    p.add_argument("--drill-share", type=float, default=0.2,
+                   help="share of question-answering sequences that are copy drills (half of them two-token)")
+    p.add_argument("--drill-until", type=float, default=0.85,
+                   help="one-token drills only until their copy accuracy reaches this")
+    p.add_argument("--drill-steps", type=int, default=4000, help="at most this many one-token drill steps")
+    p.add_argument("--pair-until", type=float, default=0.75,
+                   help="then two-token drills only until their copy accuracy reaches this")
+    p.add_argument("--pair-drill-steps", type=int, default=1500, help="at most this many two-token drill steps")
     p.add_argument("--copy-aux", type=float, default=0.0, help="weight of the copy-supervision loss (0: off)")
     p.add_argument("--vocab", type=int, default=2400)
     p.add_argument("--seed", type=int, default=0)

@@ -75,6 +75,32 @@ def test_corpus_and_questions_are_regenerated_identically():
         (q["question"], q["answer"], q["context_ids"]) for q in dd.load_heldout()]
 
 
+def test_every_answer_step_is_a_fact_in_its_gold_documents():
+    """The format's contract: each step "<subject> <relation> <value>" of a trained answer is a sentence of one
+    of the question's gold documents, and the gold documents are in its context. (If a step were not, the model
+    would be trained to answer what its prompt does not say.)"""
+    corpus = {d["id"]: d["text"] for d in dd.load_corpus()}
+    qs = dd.load_heldout()
+    assert {q["hops"] for q in qs} == {1, 2}
+    for q in qs:
+        steps = q["target"].split(dd.CHAIN_SEPARATOR)
+        assert len(steps) == q["hops"] and dd.normalize_answer(q["target"]) == q["answer"].lower()
+        assert set(q["doc_ids"]) <= set(q["context_ids"])
+        facts = {fact for i in q["doc_ids"] for fact in corpus[i].rstrip(".").split(". ")}
+        for step in steps:
+            assert step in facts, (q["question"], step, facts)
+
+
+def test_keys_and_values_are_single_tokens():
+    """Two-token induction needs every subject, relation and value to be one token after a space."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dd.DEMO_MODEL_DIR)
+    words = {w for d in dd.load_corpus() for w in d["text"].replace(".", "").split()} | set(dd.RELATIONS)
+    multi = [w for w in sorted(words) if len(tok(" " + w, add_special_tokens=False)["input_ids"]) != 1]
+    assert not multi, multi[:10]
+
+
 def test_heldout_accuracy_above_floor(rag, metrics, report):
     qs = dd.load_heldout()[:N_QUESTIONS]
     assert len(qs) >= 40
