@@ -74,7 +74,7 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval(), tok
 
 
