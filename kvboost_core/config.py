@@ -35,6 +35,13 @@ class EngineConfig:
     boundary_window: int = 16
     repair: str = "cacheblend"
     recompute_ratio: float = 0.15
+    # adaptive CacheBlend: keep recomputing the top-scored tokens until they cover this share of the total
+    # check-layer score (0: off, exactly recompute_ratio), between recompute_ratio and max_recompute_ratio
+    recompute_mass: float = 0.0
+    max_recompute_ratio: float = 1.0
+    # query-aware CacheBlend: weight each token's deviation by the attention the last query_tokens prompt
+    # tokens (the question and the template's tail) pay it at the check layer (0: off)
+    query_tokens: int = 0
     check_layer: int = 1
     # measured on stories260K: beats plain deviation on story and QA workloads (see README)
     select: str = "deviation_recency"
@@ -48,7 +55,9 @@ class EngineConfig:
     store_prefix: bool = True
     store_repaired: bool = True
     add_special_tokens: bool = True
-    warm_prefix: Any = None  # None: the tokenizer's BOS (else EOS); a str or a list of ids overrides
+    # None: the tokenizer's BOS (else EOS); "chat": the chat template's head before a user message (system turn
+    # and user header); a str or a list of ids overrides
+    warm_prefix: Any = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,6 +66,7 @@ class EngineConfig:
         if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
             raise ValueError(f"boundary_window must be in [0, chunk_size), got {self.boundary_window!r}")
         validate_repair(self.repair, self.recompute_ratio, self.select)
+        validate_adaptive(self.recompute_mass, self.max_recompute_ratio, self.query_tokens)
         if not isinstance(self.check_layer, int) or self.check_layer < 0:
             raise ValueError(f"check_layer must be an int >= 0, got {self.check_layer!r}")
         if not isinstance(self.overlap_k, int) or self.overlap_k < 0:
@@ -82,3 +92,11 @@ def validate_repair(repair: str, ratio: float, select: str = "deviation") -> Non
         raise ValueError(f"recompute_ratio must be a float in [0, 1], got {ratio!r}")
     if select not in SELECTS:
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+
+
+def validate_adaptive(mass: float, max_ratio: float, query_tokens: int) -> None:
+    for name, v in (("recompute_mass", mass), ("max_recompute_ratio", max_ratio)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1], got {v!r}")
+    if isinstance(query_tokens, bool) or not isinstance(query_tokens, int) or query_tokens < 0:
+        raise ValueError(f"query_tokens must be an int >= 0, got {query_tokens!r}")

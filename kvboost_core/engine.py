@@ -16,7 +16,7 @@ import torch
 from kvboost_core.adapters import ModelAdapter, ScatterCache
 from kvboost_core.assembly import APPROX, EXACT, FRESH, Plan, chunk_prefix_keys, lookup, place, plan_chunks
 from kvboost_core.chunking import boundary_predicate, chunk_spans
-from kvboost_core.config import EngineConfig, validate_repair
+from kvboost_core.config import EngineConfig, validate_adaptive, validate_repair
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint
@@ -26,6 +26,7 @@ from kvboost_core.results import AssembledCache, Counters, GenerationResult, Pre
 from kvboost_core.segments import (
     Segment,
     TokenizedSegment,
+    chat_head_text,
     lead_token_ids,
     normalize_prompt,
     tokenize_segments,
@@ -98,6 +99,10 @@ class KVEngine:
                         model_kwargs: dict | None = None, **config_kwargs: Any) -> KVEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from kvboost_core import zoo
+
+        if zoo.is_zoo_name(name_or_path):  # a short name such as "smollm2-135m-instruct": offline weights
+            name_or_path = zoo.resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = _resolve_dtype(dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
@@ -111,6 +116,13 @@ class KVEngine:
         return cls(model, tokenizer, **config_kwargs)
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
+        if spec == "chat":  # the chat template's head before a user message (see segments.chat_head_text)
+            head = chat_head_text(self.tokenizer)
+            if head is not None:
+                special = not (self.tokenizer.bos_token and head.startswith(self.tokenizer.bos_token))
+                with self._tok_lock:
+                    return tuple(self.tokenizer(head, add_special_tokens=special)["input_ids"])
+            spec = None  # no template: fall back to the lead token
         if spec is None:
             if self._lead:
                 return tuple(self._lead)
@@ -120,7 +132,7 @@ class KVEngine:
             return tuple(self._encode(spec))
         if isinstance(spec, Sequence):
             return tuple(int(t) for t in spec)
-        raise TypeError("warm_prefix must be None, a str or a list of token ids")
+        raise TypeError("warm_prefix must be None, 'chat', a str or a list of token ids")
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -145,14 +157,19 @@ class KVEngine:
         return chunk_spans(ids, self.config.chunk_size, self.config.boundary_window, self._is_boundary)
 
     def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
-                     check_layer: int | None, reuse_repaired: bool = True) -> RepairSpec:
+                     check_layer: int | None, reuse_repaired: bool = True, recompute_mass: float | None = None,
+                     query_tokens: int | None = None) -> RepairSpec:
         c = self.config
         spec = RepairSpec(repair=c.repair if repair is None else repair,
                           recompute_ratio=c.recompute_ratio if recompute_ratio is None else recompute_ratio,
                           check_layer=c.check_layer if check_layer is None else check_layer,
                           select=c.select if select is None else select, overlap_k=c.overlap_k,
-                          reuse_repaired=reuse_repaired)
+                          reuse_repaired=reuse_repaired,
+                          recompute_mass=c.recompute_mass if recompute_mass is None else recompute_mass,
+                          max_recompute_ratio=c.max_recompute_ratio,
+                          query_tokens=c.query_tokens if query_tokens is None else query_tokens)
         validate_repair(spec.repair, spec.recompute_ratio, spec.select)
+        validate_adaptive(spec.recompute_mass, spec.max_recompute_ratio, spec.query_tokens)
         return spec
 
     # ------------------------------------------------------------------ warming
@@ -326,13 +343,15 @@ class KVEngine:
     def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
                 select: str | None = None, check_layer: int | None = None,
                 add_special_tokens: bool | None = None, store_prefix: bool | None = None,
-                reuse_repaired: bool = True) -> PrefillResult:
+                reuse_repaired: bool = True, recompute_mass: float | None = None,
+                query_tokens: int | None = None) -> PrefillResult:
         """Assemble the prompt's KV from the cache, repair it, and return the next-token logits.
 
         ``reuse_repaired=False`` ignores prefix entries stored from earlier repaired (approximate) prefills, so
         the call measures its own strategy; ``repair="full"`` always ignores them."""
         t0 = time.perf_counter()
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired)
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
+                                 query_tokens)
         result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
         self._store_prefix(plan, cache, spec, store_prefix)
         return result
@@ -343,7 +362,8 @@ class KVEngine:
         """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
         :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"))
+        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
+                          recompute_mass=kw.get("recompute_mass"), query_tokens=kw.get("query_tokens"))
         return GenerationStream(self, prompt, params, kw)
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -357,9 +377,11 @@ class KVEngine:
     def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, *, repair: str | None = None,
              recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
              add_special_tokens: bool | None = None, store_prefix: bool | None = None,
-             reuse_repaired: bool = True) -> Iterator[str]:
+             reuse_repaired: bool = True, recompute_mass: float | None = None,
+             query_tokens: int | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired)
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
+                                 query_tokens)
         pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0)
         generator = None
         if params.seed is not None:
@@ -400,7 +422,7 @@ class KVEngine:
             holder["result"] = GenerationResult(
                 text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
                 total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
-                stats=stats)
+                stats=stats, first_logits=pre.last_logits)
 
     # ------------------------------------------------------------------ reference & introspection
     @torch.inference_mode()

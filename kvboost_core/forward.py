@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,8 +27,15 @@ class Schedule:
     base: torch.Tensor  # (n_b,) sorted positions computed in every layer (fresh tokens, forced repairs)
     candidates: torch.Tensor  # (n_c,) sorted reused positions CacheBlend may keep recomputing
     check_layer: int | None = None  # None: no selection, base alone runs through every layer
-    n_select: int = 0
+    n_select: int = 0  # at least this many candidates are kept
     scorer: Scorer | None = None
+    # Adaptive selection: keep the fewest top-scored candidates whose scores sum to ``mass`` of the total,
+    # at least ``n_select`` and at most ``n_max`` of them (mass 0: exactly ``n_select``).
+    mass: float = 0.0
+    n_max: int = 0
+    # Query-aware selection: weight each candidate's score by the attention the last ``observers`` computed
+    # positions (the question and the template's tail) pay it at the check layer. 0: off.
+    observers: int = 0
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                 length: int) -> tuple[torch.Tensor, ForwardTrace]:
     """Returns the last computed position's hidden state (1, 1, hidden) and a trace of the work done."""
     trace = ForwardTrace()
+    captured: dict[str, torch.Tensor] = {}
     check = schedule.check_layer if schedule.candidates.numel() else None
     positions = _union(schedule.base, schedule.candidates) if check is not None else schedule.base
     if positions.numel() == 0:
@@ -87,10 +96,20 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
             if check is not None and layer == check:
                 # K/V of every computed token (scored by on_update before they overwrite the cached ones),
                 # then the whole layer for the kept tokens only, which attend to those fresh K/V.
-                adapter.layer_kv(layer, hidden, masks[layer], cos_sin, positions, cache)
+                hook = _capture_queries(adapter, layer, captured) if schedule.observers else None
+                try:
+                    adapter.layer_kv(layer, hidden, masks[layer], cos_sin, positions, cache)
+                finally:
+                    if hook is not None:
+                        hook.remove()
                 trace.kv_only_tokens = int(positions.numel())
                 cache.on_update = None
-                keep = _select(schedule, scores.get("s"))
+                score = scores.get("s")
+                if score is not None and "q" in captured:
+                    att = observer_attention(captured["q"], cache.keys[layer][0, :, :length], positions, cos_sin,
+                                             schedule.candidates, schedule.observers)
+                    score = score * att  # the deviation the question actually reads
+                keep = _select(schedule, score)
                 trace.selected = keep
                 new_positions = _union(schedule.base, keep)
                 idx = torch.searchsorted(positions, new_positions)
@@ -107,12 +126,57 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     return hidden[:, -1:], trace
 
 
+def _capture_queries(adapter: ModelAdapter, layer: int, out: dict[str, torch.Tensor]) -> Any:
+    """Keep the check layer's query projection output (after its q-norm where the family has one)."""
+    attn = adapter.inner.layers[layer].self_attn
+    module = getattr(attn, "q_norm", None) or attn.q_proj
+
+    def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:
+        out["q"] = output
+
+    return module.register_forward_hook(hook)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def observer_attention(q_raw: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, cos_sin: Any,
+                       candidates: torch.Tensor, observers: int) -> torch.Tensor:
+    """Mean attention (over heads and observers) that the last ``observers`` computed positions pay each
+    candidate at this layer, over every key in [0, length) with a causal mask. Returns (n_c,) summing to <= 1.
+
+    q_raw: (1, n, H*D) or (1, n, H, D) query projections of ``positions``; keys: (H_kv, T, D) rotated keys."""
+    h_kv, length, d = keys.shape
+    n = positions.numel()
+    q = q_raw.reshape(n, -1, d).transpose(0, 1).float()  # (H, n, D)
+    obs = torch.arange(max(0, n - observers), n, device=q.device)
+    cos, sin = cos_sin[0][0, obs].float(), cos_sin[1][0, obs].float()  # (m, D)
+    q = q[:, obs] * cos + _rotate_half(q[:, obs]) * sin  # (H, m, D) RoPE at the observers' positions
+    groups = q.shape[0] // h_kv
+    k = keys.float().repeat_interleave(groups, dim=0)  # (H, T, D)
+    logits = q @ k.transpose(1, 2) / d**0.5  # (H, m, T)
+    causal = torch.arange(length, device=q.device).view(1, -1) <= positions[obs].view(-1, 1)  # (m, T)
+    logits = logits.masked_fill(~causal, float("-inf"))
+    att = torch.softmax(logits, dim=-1).mean(dim=(0, 1))  # (T,)
+    return att[candidates]
+
+
 def _select(schedule: Schedule, score: torch.Tensor | None) -> torch.Tensor:
-    k = min(schedule.n_select, int(schedule.candidates.numel()))
+    n_c = int(schedule.candidates.numel())
+    k = min(schedule.n_select, n_c)
+    if score is None:
+        if k <= 0:
+            return schedule.candidates[:0]
+        raise RuntimeError("CacheBlend selection ran without deviation scores")
+    if schedule.mass > 0 and n_c:
+        ordered = torch.sort(score.clamp_min(0), descending=True).values
+        share = torch.cumsum(ordered, 0) / ordered.sum().clamp_min(1e-12)
+        need = int(torch.searchsorted(share, torch.tensor(schedule.mass, device=share.device))) + 1
+        k = max(k, min(need, schedule.n_max or n_c, n_c))
     if k <= 0:
         return schedule.candidates[:0]
-    if score is None:
-        raise RuntimeError("CacheBlend selection ran without deviation scores")
     top = torch.topk(score, k, sorted=False).indices
     return torch.sort(schedule.candidates[top]).values
 

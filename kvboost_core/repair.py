@@ -28,6 +28,9 @@ class RepairSpec:
     select: str
     overlap_k: int
     reuse_repaired: bool = True  # serve prefix entries stored from earlier repaired prefills as exact hits
+    recompute_mass: float = 0.0  # > 0: adaptive, keep the top scores covering this share of the total
+    max_recompute_ratio: float = 1.0  # the adaptive selection's upper bound
+    query_tokens: int = 0  # > 0: weight scores by the attention of the last N computed tokens (query-aware)
 
 
 def _sq_dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -98,7 +101,9 @@ def build_schedule(plan: Plan, spec: RepairSpec, num_layers: int, device: torch.
     if spec.repair == "cacheblend":
         candidates = approx[~torch.isin(approx, base)]
         n_select = math.ceil(spec.recompute_ratio * candidates.numel())
+        n_max = max(n_select, math.ceil(spec.max_recompute_ratio * candidates.numel()))
         check = min(spec.check_layer, num_layers - 1)
         return Schedule(base=base, candidates=candidates, check_layer=check, n_select=n_select,
-                        scorer=make_scorer(spec.select, fresh))
+                        scorer=make_scorer(spec.select, fresh), mass=spec.recompute_mass, n_max=n_max,
+                        observers=spec.query_tokens)
     raise ValueError(f"unknown repair {spec.repair!r}")

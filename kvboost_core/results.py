@@ -39,6 +39,7 @@ class GenerationResult:
     reuse_ratio: float
     finish_reason: str  # "stop", "eos", "length"
     stats: dict[str, Any]
+    first_logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) fp32: the prefill's output
 
 
 @dataclass(frozen=True, slots=True)

