@@ -13,6 +13,7 @@ Two ways to tell the engine where documents are:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,10 +173,12 @@ class KVBoostRAG:
                           extra={"confirmations": self.registry.index.last_confirmations})
 
     # ------------------------------------------------------------------ generation
-    def _record(self, result: GenerationResult, plan: PromptPlan) -> dict[str, Any]:
+    def _record(self, result: GenerationResult, plan: PromptPlan, plan_s: float) -> dict[str, Any]:
         # Added to the result's own stats dict too, so a caller running calls concurrently can read its own.
         stats = result.stats
-        stats["ttft_s"] = result.ttft_s
+        # TTFT counts from this call's start: finding the documents in the prompt is part of it.
+        stats["ttft_s"] = result.ttft_s + plan_s
+        stats["plan_s"] = plan_s
         stats.update(doc_stats(plan.doc_ranges, stats))
         stats.update(mode=plan.mode, documents=plan.documents, output_tokens=len(result.token_ids), **plan.extra)
         self.last_stats = dict(stats)
@@ -187,11 +190,13 @@ class KVBoostRAG:
                  **engine_kw: Any) -> GenerationResult:
         """Generate a completion of ``prompt``; ``engine_kw`` (repair, recompute_ratio, store_prefix,
         add_special_tokens, ...) go to the engine for this call."""
+        t0 = time.perf_counter()
         plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
                                                                                              None))
+        plan_s = time.perf_counter() - t0
         result = self.engine.generate(plan.segments, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **engine_kw)
-        self._record(result, plan)
+        self._record(result, plan, plan_s)
         return result
 
     def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -200,12 +205,14 @@ class KVBoostRAG:
                **engine_kw: Any) -> Iterator[str]:
         """Yield text pieces; ``last_stats``/``last_result`` are set once the stream is exhausted, and
         ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency)."""
+        t0 = time.perf_counter()
         plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
                                                                                              None))
+        plan_s = time.perf_counter() - t0
         stream = self.engine.stream(plan.segments, max_new_tokens, temperature, top_p, stop, seed,
                                     add_special_tokens=False, **engine_kw)
         yield from stream
         if stream.result is not None:
-            stats = self._record(stream.result, plan)
+            stats = self._record(stream.result, plan, plan_s)
             if on_result is not None:
                 on_result(stream.result, stats)

@@ -81,3 +81,36 @@ def stories_fidelity(path: Path | str | None, n_prompts: int,
     loaded.engine.warm(docs)
     rep = loaded.engine.verify(prompts, repairs=repairs, max_new_tokens=8)
     return {"model": str(p), "prompts": len(prompts), "summary": rep.summary()}
+
+
+STORIES_HELDOUT = Path(__file__).parent / "assets" / "stories_eval" / "heldout.json"
+
+
+def story_prompts(docs: list[str], cues: list[str], n: int, seed: int = 7) -> list[Any]:
+    """``n`` prompts of 3-4 of ``docs`` in a new order (re-placed KV), each followed by a cue (cycled)."""
+    import random
+
+    from kvboost_core import Segment
+
+    rng = random.Random(seed)
+    return [[Segment(text=d, cacheable=True) for d in rng.sample(docs, rng.choice([3, 4]))]
+            + [Segment(text=cues[i % len(cues)])] for i in range(n)]
+
+
+def stories_heldout(path: Path | str | None, n_prompts: int = 24,
+                    repairs: tuple[str, ...] = ("none", "selective", "cacheblend")) -> dict[str, Any]:
+    """``verify`` at engine defaults over held-out stories (``assets/stories_eval/heldout.json``, never used to
+    tune a setting): the figure that shows whether the defaults carry over to documents nobody tuned on."""
+    import json
+
+    p = Path(path) if path is not None else STORIES_DEFAULT
+    if not (p / "config.json").exists():
+        return {"skipped": f"no model at {p} (pass --stories DIR)"}
+    from kvboost_rag.cli import load_engine
+
+    data = json.loads(STORIES_HELDOUT.read_text())
+    engine = load_engine(str(p)).engine
+    engine.warm(data["documents"])
+    rep = engine.verify(story_prompts(data["documents"], data["cues"], n_prompts), repairs=repairs,
+                        max_new_tokens=8)
+    return {"model": str(p), "prompts": n_prompts, "documents": len(data["documents"]), "summary": rep.summary()}

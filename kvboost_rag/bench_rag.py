@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kvboost_core.adapters import output_cache
+from kvboost_core.fidelity import kl_divergence
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents. Be brief."
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -91,12 +92,6 @@ def hf_greedy(model: Any, tokenizer: Any, ids: Sequence[int], max_new_tokens: in
         nxt = int(out.logits[0, -1].argmax())
     text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
     return Reference(list(ids), logits, tokens, text, ttft)
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    p = torch.log_softmax(ref.float(), -1)
-    q = torch.log_softmax(got.float(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 @dataclass(slots=True)
@@ -170,14 +165,14 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             if res.prompt_token_ids != ids:
                 raise RuntimeError(f"prompt drift in setting {name}: the transparent path changed the ids")
             assert res.first_logits is not None
-            first_kl = kl(ref.logits, res.first_logits)
+            first_kl = kl_divergence(ref.logits, res.first_logits)
             top1 = int(res.first_logits.argmax()) == int(ref.logits.argmax())
             st = res.stats
             n = st["prompt_tokens"]
             rows[name].append(Row(
                 q.question, q.answer, name, res.text, rc.is_correct(res.text, q),
                 first_sentence(res.text) == ref_sentence, list(res.token_ids) == ref.tokens, first_kl, top1,
-                (st["reused_exact"] + st["reused_approx"]) / n, st["recomputed"] / n, res.ttft_s))
+                (st["reused_exact"] + st["reused_approx"]) / n, st["recomputed"] / n, st["ttft_s"]))
         if log:
             log(f"[{i + 1}/{len(sets)}] {len(ids)} tok  gold={q.answer!r}  full={ref.text[:70]!r}")
             for s in settings:
