@@ -36,7 +36,8 @@ from pathlib import Path
 
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock
-from kvboost_core.store.serialize import HEADER_LIMIT, CorruptEntry, dumps, parse_entry, parse_header
+from kvboost_core.store.safe_io import pid_alive, read_entry_file
+from kvboost_core.store.serialize import CorruptEntry, dumps, parse_entry
 from kvboost_core.store.trust import DropLog, resolve_secret, validate_fingerprint, validate_namespace
 
 logger = logging.getLogger("kvboost")
@@ -46,7 +47,6 @@ _SHARD = re.compile(r"[0-9a-f]{2}")
 _TEMP = re.compile(r"\.([0-9a-f]{32})\.(\d+)\.[0-9a-f]+\.tmp")
 _STALE_TEMP_S = 3600.0  # a temp file this old is abandoned even if its writer's pid was reused
 _SETTLE_NS = 50_000_000  # a listing this soon after the shard's mtime may have missed a same-tick change
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 DEFAULT_MAX_ENTRY_BYTES = 1 << 30
 
 
@@ -57,16 +57,6 @@ class _DiskEntry:
     last_access: float  # wall clock: mtime at scan, then time of last get/put
     parent: CacheKey | None
     seq: int = 0  # the eviction heap's live record for this entry (older records are stale)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _entry_name(key: CacheKey, parent: CacheKey | None) -> str:
@@ -156,7 +146,7 @@ class DiskStore:
         assert m is not None
         try:
             stale = now - e.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
-            if stale or not _pid_alive(int(m.group(2))):
+            if stale or not pid_alive(int(m.group(2))):
                 os.unlink(e.path)
         except OSError:
             pass  # already gone, or not ours to remove
@@ -180,41 +170,6 @@ class DiskStore:
     def _path(self, name: str) -> Path:
         return self._dir / name[:2] / name
 
-    def _read(self, path: Path) -> tuple[bytes, int]:
-        """The entry's bytes and inode. CorruptEntry for anything that is not a plausible entry file."""
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            raise
-        except OSError as e:  # ELOOP: a symlink; anything else unreadable is not served either
-            raise CorruptEntry(f"cannot open: {e}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptEntry("not a regular file")
-            if not 8 <= st.st_size <= self._max_entry_bytes:
-                raise CorruptEntry(f"{st.st_size} bytes is not a plausible entry size")
-            head = self._read_exact(fd, 8)
-            hlen = min(int.from_bytes(head, "little"), HEADER_LIMIT, st.st_size - 8)
-            head += self._read_exact(fd, hlen)
-            _, size = parse_header(head)
-            if size != st.st_size:  # checked before the payload is read: a bogus size reads nothing more
-                raise CorruptEntry(f"file is {st.st_size} bytes, header declares {size} (truncated?)")
-            return head + self._read_exact(fd, st.st_size - len(head)), st.st_ino
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _read_exact(fd: int, n: int) -> bytes:
-        parts, left = [], n
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                raise CorruptEntry("file shrank while being read")
-            parts.append(chunk)
-            left -= len(chunk)
-        return b"".join(parts)
-
     def get(self, key: CacheKey) -> KVBlock | None:
         with self._lock:
             entry = self._refresh(key)
@@ -224,7 +179,7 @@ class DiskStore:
             path = self._path(entry.name)
         ino = None
         try:
-            data, ino = self._read(path)
+            data, ino = read_entry_file(path, self._max_entry_bytes)
             block = parse_entry(data, key=key, namespace=self._namespace, fingerprint=self._fingerprint,
                                 secret=self._secret)
         except FileNotFoundError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 import warnings
@@ -39,6 +40,11 @@ from kvboost_core.store.trust import (
 logger = logging.getLogger("kvboost")
 _GLOB_SPECIAL = frozenset("*?[]\\")
 _warned_no_secret = False
+_HEX_KEY = re.compile(rb"[0-9a-f]{32}")
+
+
+def _wrong_type(err: BaseException) -> bool:
+    return "WRONGTYPE" in str(err)  # a pipeline prefixes "Command # n (...) of pipeline caused error: "
 
 
 def glob_escape(literal: str) -> str:
@@ -146,7 +152,10 @@ class RedisStore:
         try:
             data = self._client.get(self._k(key))
         except self._errors as e:
-            self._failed("get", e)
+            if _wrong_type(e):  # another client stored a list/set/... there: bad data, not an outage
+                self._drop_key(self._k(key), "not a string value")
+            else:
+                self._failed("get", e)
             self._count("misses")
             return None
         self._recovered()
@@ -174,17 +183,22 @@ class RedisStore:
         if not self._available():
             return False
         data = dumps(key, block, secret=self._secret)
-        try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._k(key), data, px=self._ttl_ms)
-            if block.parent is not None:
-                pipe.sadd(self._kids(block.parent), key.hex())
-                if self._ttl_ms is not None:
-                    pipe.pexpire(self._kids(block.parent), self._ttl_ms)
-            pipe.execute()
-        except self._errors as e:
-            self._failed("put", e)
-            return False
+        for attempt in (0, 1):
+            try:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.set(self._k(key), data, px=self._ttl_ms)
+                if block.parent is not None:
+                    pipe.sadd(self._kids(block.parent), key.hex())
+                    if self._ttl_ms is not None:
+                        pipe.pexpire(self._kids(block.parent), self._ttl_ms)
+                pipe.execute()
+                break
+            except self._errors as e:
+                if attempt == 0 and block.parent is not None and _wrong_type(e):
+                    self._drop_key(self._kids(block.parent), "children key is not a SET")
+                    continue  # once more, with the bad children key gone
+                self._failed("put", e)
+                return False
         self._recovered()
         self._count("puts")
         return True
@@ -212,6 +226,14 @@ class RedisStore:
         self._recovered()
         return removed
 
+    def _drop_key(self, rkey: str, reason: str) -> None:
+        self._log_drop(rkey, reason)
+        self._count("corrupt")
+        try:
+            self._client.delete(rkey)
+        except self._errors as e:
+            self._failed("delete", e)
+
     def _unlink_if_same(self, key: CacheKey, bad: bytes) -> None:
         """Unlink a bad value, unless a writer replaced it since we read it (compare-and-delete in one script,
         so a fresh good entry is never removed)."""
@@ -226,8 +248,18 @@ class RedisStore:
         if not self._available():
             return []
         try:
-            members = sorted(m.decode() if isinstance(m, bytes) else m
-                             for m in self._client.smembers(self._kids(parent)))
+            raw = self._client.smembers(self._kids(parent))
+        except self._errors as e:
+            if _wrong_type(e):
+                self._drop_key(self._kids(parent), "children key is not a SET")
+            else:
+                self._failed("children", e)
+            return []
+        try:
+            junk = [m for m in raw if not isinstance(m, bytes) or _HEX_KEY.fullmatch(m) is None]
+            members = sorted(m.decode() for m in raw if isinstance(m, bytes) and _HEX_KEY.fullmatch(m))
+            if junk:  # members that are not key hex (written by someone else): never parsed, removed
+                self._client.srem(self._kids(parent), *junk)
             if not members:
                 return []
             pipe = self._client.pipeline(transaction=False)
