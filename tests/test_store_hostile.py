@@ -288,3 +288,11 @@ def test_redis_values_of_another_type_are_bad_data_not_an_outage(redis_url: str)
     assert store.children(PARENT) == [K] and store._client.scard(store._kids(PARENT)) == 1
     s = store.stats()
     assert s["errors"] == 0 and s["available"] == 1 and s["corrupt"] == 3
+
+
+@pytest.mark.redis
+def test_redis_value_over_the_cap_is_not_transferred(redis_url: str) -> None:  # noqa: F811
+    store = RedisStore(redis_url, namespace="default", fingerprint=FP, max_entry_bytes=10_000)
+    store._client.setrange(store._k(K), 50_000_000, b"x")  # a 50 MB value planted under our key
+    assert store.get(K) is None and not store._client.exists(store._k(K))
+    assert store.put(K, _block(None)) and store.get(K) is not None

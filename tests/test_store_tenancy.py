@@ -12,8 +12,7 @@ from _redis_fixture import RedisServer, redis_server, redis_url  # noqa: F401
 from test_store_disk import FP, entry_files, entry_path, key, make_block, same
 
 from kvboost_core.config import EngineConfig
-from kvboost_core.store import DiskStore, MemoryStore, RedisStore, TieredStore, build_store
-from kvboost_core.store import redis_tier
+from kvboost_core.store import DiskStore, MemoryStore, RedisStore, TieredStore, build_store, redis_tier
 from kvboost_core.store.redis_tier import glob_escape
 from kvboost_core.store.serialize import dumps
 

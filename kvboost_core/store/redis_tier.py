@@ -69,6 +69,13 @@ def split_ttl(url: str) -> tuple[str, float | None]:
     return urlunsplit(parts._replace(query=rest)), ttl
 
 
+# GET, unless the value is over the cap: then only its length comes back (a planted 500 MB value is never
+# transferred or parsed). STRLEN on a list/set raises WRONGTYPE like GET would.
+_GET_BOUNDED = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then return n end
+return redis.call('GET', KEYS[1])
+"""
 _DEL_IF_EQUAL = """
 local v = redis.call('GET', KEYS[1])
 if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -88,7 +95,8 @@ def _warn_no_secret() -> None:
 class RedisStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, namespace: str, fingerprint: str,
                  ttl_s: float | None = None, socket_timeout: float = 0.5, retry_after_s: float = 2.0,
-                 client: Any = None, secret: str | bytes | None = None) -> None:
+                 client: Any = None, secret: str | bytes | None = None,
+                 max_entry_bytes: int = 256 * 1024**2) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         validate_namespace(namespace)
@@ -111,6 +119,8 @@ class RedisStore:
         self._lock = threading.Lock()  # guards the counters and the outage state; redis-py's pool is safe
         self._counters = {"hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "puts": 0}
         self._log_drop = DropLog(logger, "redis")
+        self._max_entry_bytes = int(max_entry_bytes)
+        self._get_bounded = self._client.register_script(_GET_BOUNDED)
 
     # -- outage handling -----------------------------------------------------------------------------------
     def _available(self) -> bool:
@@ -150,7 +160,7 @@ class RedisStore:
             self._count("misses")
             return None
         try:
-            data = self._client.get(self._k(key))
+            data = self._get_bounded(keys=[self._k(key)], args=[self._max_entry_bytes])
         except self._errors as e:
             if _wrong_type(e):  # another client stored a list/set/... there: bad data, not an outage
                 self._drop_key(self._k(key), "not a string value")
@@ -160,6 +170,10 @@ class RedisStore:
             return None
         self._recovered()
         if data is None:
+            self._count("misses")
+            return None
+        if isinstance(data, int):  # the value's length, returned instead of a value over the cap
+            self._drop_key(self._k(key), f"{data} bytes is over the {self._max_entry_bytes}-byte entry cap")
             self._count("misses")
             return None
         try:
