@@ -93,7 +93,8 @@ class DiskStore:
         with self._lock:
             for e in os.scandir(self._dir):
                 if _SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
-                    self._list_shard(e.name)
+                    self._list_shard(e.name, bulk=True)
+            heapq.heapify(self._heap)  # once, not one push per file
             self._evict_for(0)  # the budget may have shrunk since the last run
 
     @property
@@ -106,8 +107,9 @@ class DiskStore:
         return self._dir
 
     # -- listing (lock held) -------------------------------------------------------------------------------
-    def _list_shard(self, shard: str) -> None:
-        """(Re)build the index of one shard from its listing: one lstat per new file, no file opened."""
+    def _list_shard(self, shard: str, *, bulk: bool = False) -> None:
+        """(Re)build the index of one shard from its listing: one lstat per new file, no file opened.
+        ``bulk`` (start-up): heap records are appended unordered; the caller heapifies once at the end."""
         sdir = self._dir / shard
         try:
             mtime = os.stat(sdir, follow_symlinks=False).st_mtime_ns
@@ -116,6 +118,7 @@ class DiskStore:
             listing, mtime = [], 0
         self._listed[shard] = (mtime, time.time_ns())
         now, seen = time.time(), set()
+        keys = self._shard_keys[shard]
         for e in listing:
             m = _ENTRY.fullmatch(e.name)
             if m is None:
@@ -137,8 +140,18 @@ class DiskStore:
                 self._discard(key, Path(e.path), None, "not a regular file of a plausible size")
                 continue
             parent = CacheKey(bytes.fromhex(m.group(2))) if m.group(2) else None
-            self._index_add(key, _DiskEntry(e.name, st.st_size, st.st_mtime, parent))
-        for key in self._shard_keys.get(shard, set()) - seen:  # deleted by someone else
+            if known is not None or not bulk:
+                self._index_add(key, _DiskEntry(e.name, st.st_size, st.st_mtime, parent))
+                continue
+            # start-up fast path (240k files): the plain bookkeeping of _index_add, inlined
+            self._seq += 1
+            self._index[key] = _DiskEntry(e.name, st.st_size, st.st_mtime, parent, self._seq)
+            keys.add(key)
+            self._bytes += st.st_size
+            if parent is not None:
+                self._children[parent].add(key)
+            self._heap.append((st.st_mtime, self._seq, key))
+        for key in keys - seen:  # deleted by someone else
             self._index_drop(key)
 
     def _clean_temp(self, e: os.DirEntry[str], now: float) -> None:
