@@ -238,3 +238,19 @@ def test_tiered_promotes_from_disk(tmp_path: Path) -> None:
     assert tiny.get(key(1)) is not None  # promotion does not fit: still a hit
     assert t.delete(key(1)) and t.get(key(1)) is None
     assert t.stats()["misses"] == 1
+
+
+def test_other_writers_entries_are_found_and_their_deletes_seen(tmp_path: Path) -> None:
+    mine = DiskStore(tmp_path, 10**8, FP, fsync=False)
+    other = DiskStore(tmp_path, 10**8, FP, fsync=False)  # another process on the same directory
+    parent = key(500)
+    for i in range(6):
+        assert other.put(key(i), make_block(i, parent=parent if i % 2 else None))
+    for i in range(6):  # not in my index: found by re-listing the key's shard
+        got = mine.get(key(i))
+        assert got is not None and same(got, make_block(i, parent=parent if i % 2 else None))
+    assert sorted(mine.children(parent)) == [key(1), key(3), key(5)]
+    assert mine.stats()["entries"] == 6
+    assert other.delete(key(3)) and mine.get(key(3)) is None
+    mine.contains(key(999))  # a miss in the shard of keys 0..5 re-lists it: key 3's deletion is seen
+    assert key(3) not in mine.children(parent) and mine.stats()["entries"] == 5

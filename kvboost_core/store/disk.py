@@ -125,10 +125,11 @@ class DiskStore:
                 if _TEMP.fullmatch(e.name):
                     self._clean_temp(e, now)
                 continue  # not ours: left alone
-            key = CacheKey(bytes.fromhex(m.group(1)))
-            if m.group(1)[:2] != shard:
+            if not e.name.startswith(shard):
                 continue
-            seen.add(key)
+            key = CacheKey(bytes.fromhex(m.group(1)))
+            if not bulk:
+                seen.add(key)
             known = self._index.get(key)
             if known is not None and known.name == e.name:
                 continue
@@ -151,8 +152,9 @@ class DiskStore:
             if parent is not None:
                 self._children[parent].add(key)
             self._heap.append((st.st_mtime, self._seq, key))
-        for key in keys - seen:  # deleted by someone else
-            self._index_drop(key)
+        if not bulk:  # a re-listing: drop what someone else deleted
+            for key in keys - seen:
+                self._index_drop(key)
 
     def _clean_temp(self, e: os.DirEntry[str], now: float) -> None:
         m = _TEMP.fullmatch(e.name)
