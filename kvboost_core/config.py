@@ -29,6 +29,18 @@ def parse_bytes(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+# A namespace names a directory on disk and a Redis key prefix, so it is a fixed character set: no glob
+# metacharacters, no path separators, no leading dot ("." / ".." would walk out of the store's directory).
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
+
+
+def validate_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or NAMESPACE_RE.fullmatch(namespace) is None:
+        raise ValueError(f"namespace must match {NAMESPACE_RE.pattern} (1-64 letters, digits, '_', '-', '.', "
+                         f"not starting with '.'), got {namespace!r}")
+    return namespace
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     chunk_size: int = 128
@@ -59,6 +71,8 @@ class EngineConfig:
     # and user header); a str or a list of ids overrides
     warm_prefix: Any = None
     extra: dict = field(default_factory=dict)
+    # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
+    store_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -77,8 +91,10 @@ class EngineConfig:
             raise ValueError(f"kv_bits must be None (model dtype), 16 (bf16), 8 or 4, got {self.kv_bits!r}")
         if not isinstance(self.kv_group_size, int) or self.kv_group_size < 1:
             raise ValueError(f"kv_group_size must be a positive int, got {self.kv_group_size!r}")
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ValueError("namespace must be a non-empty str")
+        validate_namespace(self.namespace)
+        if self.store_secret is not None and (not isinstance(self.store_secret, (str, bytes))
+                                              or not self.store_secret):
+            raise ValueError("store_secret must be a non-empty str or bytes, or None")
         object.__setattr__(self, "max_cache_bytes", parse_bytes(self.max_cache_bytes))
 
     def with_(self, **changes: Any) -> EngineConfig:

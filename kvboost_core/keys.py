@@ -56,31 +56,32 @@ def prefix_key(parent: CacheKey, token_ids: Sequence[int]) -> CacheKey:
     return CacheKey(h.digest())
 
 
-def _tensor_sample_digest(h: Any, t: Any) -> None:
-    # Hash shape, dtype and a strided sample of the values: identifies the weights without reading all of
-    # a multi-GB model. Fine-tunes change essentially every value, so a sample of 4096 catches them.
+def _tensor_digest(h: Any, name: str, t: Any) -> None:
+    # Every byte of every tensor: a sample would miss a change to an unsampled weight (a small fine-tune, a
+    # patched layer) and stale KV would be served. xxh3 hashes at memory bandwidth; one tensor at a time is
+    # copied to the CPU, so the peak extra memory is the largest tensor, not the model.
     import torch
 
-    flat = t.detach().reshape(-1)
-    h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
-    n = flat.numel()
-    if n == 0:
+    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+    if t.device.type == "meta" or t.numel() == 0:  # offloaded / empty: nothing to read
         return
-    step = max(1, n // 4096)
-    sample = flat[::step][:4096].to(device="cpu", dtype=torch.float32).contiguous()
-    h.update(sample.numpy().tobytes())
+    flat = t.detach().reshape(-1).to("cpu").contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    h.update(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def model_fingerprint(model: Any, tokenizer: Any) -> Fingerprint:
-    """Config + weights identity + dtype + tokenizer, as a hex digest."""
+    """Config + every weight and buffer byte + dtype + tokenizer, as a hex digest (computed once at load)."""
     h = xxhash.xxh3_128()
     cfg = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "_commit_hash"):
         cfg.pop(volatile, None)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
-        h.update(name.encode())
-        _tensor_sample_digest(h, p)
+        _tensor_digest(h, "p:" + name, p)
+    for name, b in model.named_buffers():  # rotary tables, norms' running stats: they change outputs too
+        _tensor_digest(h, "b:" + name, b)
     h.update(str(next(model.parameters()).dtype).encode())
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode("utf-8"))

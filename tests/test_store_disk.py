@@ -18,7 +18,7 @@ import torch
 from kvboost_core.keys import CacheKey, Fingerprint
 from kvboost_core.quant import quantize_payload
 from kvboost_core.store import DensePayload, DiskStore, KVBlock, MemoryStore, TieredStore, build_store
-from kvboost_core.store.serialize import CorruptEntry, dumps, loads
+from kvboost_core.store.serialize import CorruptEntry, dumps, parse_entry
 
 FP = Fingerprint("ab" * 16)
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +38,21 @@ def make_block(i: int, n: int = 16, *, bits: int | None = None, parent: CacheKey
     ids = tuple(range(i, i + n))
     return KVBlock(ids, payload, base_position=3 * i, fingerprint=Fingerprint(fp), namespace=ns,
                    kind="prefix" if parent else "content", parent=parent)
+
+
+def loads(data: bytes, *, key: CacheKey, fingerprint: str = FP, namespace: str = "default",
+          secret: bytes | None = None) -> KVBlock:
+    return parse_entry(data, key=key, namespace=namespace, fingerprint=fingerprint, secret=secret)
+
+
+def entry_files(store: DiskStore) -> list[Path]:
+    """The entry files in the store's own subdirectory (root/<fingerprint>/<namespace>/<shard>/...)."""
+    return sorted(p for p in store.directory.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def entry_path(store: DiskStore, k: CacheKey) -> Path:
+    (path,) = [p for p in entry_files(store) if p.name.startswith(k.hex())]
+    return path
 
 
 def same(a: KVBlock, b: KVBlock) -> bool:
@@ -77,7 +92,7 @@ def test_restart_hits_and_rebuilds_index(tmp_path: Path) -> None:
 def _corrupt_case(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage, restart: bool) -> None:
     s = DiskStore(tmp_path, 10_000_000, FP)
     s.put(key(1), make_block(1))
-    path = tmp_path / key(1).hex()
+    path = entry_path(s, key(1))
     damage(path)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvboost"):
@@ -111,23 +126,29 @@ def test_flipped_byte_is_a_miss_and_deleted(tmp_path: Path, caplog: pytest.LogCa
 
 
 def test_garbage_and_empty_files(tmp_path: Path) -> None:
-    (tmp_path / key(1).hex()).write_bytes(b"")
-    (tmp_path / key(2).hex()).write_bytes(os.urandom(300))
-    (tmp_path / "notes.txt").write_text("not ours")
+    d = DiskStore(tmp_path, 1_000_000, FP).directory / "00"
+    d.mkdir()
+    (d / ("00" + key(1).hex()[2:])).write_bytes(b"")
+    (d / ("00" + key(2).hex()[2:])).write_bytes(os.urandom(300))
+    (d / "notes.txt").write_text("not ours")
     s = DiskStore(tmp_path, 1_000_000, FP)
     assert s.get(key(1)) is None and s.get(key(2)) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
 
 
-def test_foreign_fingerprint_is_a_miss_and_deleted(tmp_path: Path) -> None:
-    DiskStore(tmp_path, 1_000_000, fingerprint="other" * 4).put(key(1), make_block(1, fp="other" * 4))
-    other = DiskStore(tmp_path, 1_000_000, FP)  # removed at scan
-    assert other.get(key(1)) is None and not (tmp_path / key(1).hex()).exists()
-    anyfp = DiskStore(tmp_path, 1_000_000)
-    anyfp.put(key(2), make_block(2, fp="other" * 4))
-    assert DiskStore(tmp_path, 1_000_000, FP).get(key(2)) is None  # also when found at get time
+def test_foreign_fingerprint_is_a_miss_and_kept(tmp_path: Path) -> None:
+    other_fp = "other" * 4
+    other = DiskStore(tmp_path, 1_000_000, other_fp)
+    other.put(key(1), make_block(1, fp=other_fp))
+    mine = DiskStore(tmp_path, 1_000_000, FP)  # another model's subdirectory: neither read nor deleted
+    assert mine.get(key(1)) is None and entry_files(other)
+    # planted in my directory (copied over): the header says another model, so a miss, and deleted
+    plant = mine.directory / key(1).hex()[:2] / key(1).hex()
+    plant.parent.mkdir()
+    plant.write_bytes(entry_path(other, key(1)).read_bytes())
+    assert DiskStore(tmp_path, 1_000_000, FP).get(key(1)) is None and not plant.exists()
     with pytest.raises(ValueError):
-        DiskStore(tmp_path, 1_000_000, FP).put(key(3), make_block(3, fp="other" * 4))
+        mine.put(key(3), make_block(3, fp=other_fp))
 
 
 def test_namespace_isolation(tmp_path: Path) -> None:
@@ -146,9 +167,9 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     s.put(key(3), make_block(3))
     assert s.stats()["bytes"] <= s.stats()["max_bytes"]
     assert s.contains(key(0)) and not s.contains(key(1)) and s.contains(key(3))
-    assert len([p for p in tmp_path.iterdir()]) == 3
+    assert len(entry_files(s)) == 3
     assert not DiskStore(tmp_path, size - 1, FP).put(key(9), make_block(9))  # bigger than the budget
-    assert len(list(tmp_path.iterdir())) == 0  # ... and the smaller budget evicted everything at start
+    assert len(entry_files(s)) == 0  # ... and the smaller budget evicted everything at start
 
 
 WRITER = textwrap.dedent("""
@@ -178,9 +199,11 @@ def test_sigkill_during_writes_never_serves_a_corrupt_entry(tmp_path: Path) -> N
         proc.wait()
         # the kill rarely lands inside a write; plant what one would leave: a half-written temp file
         half = dumps(key(7), make_block(7, n=512))
-        (tmp_path / f".{key(7).hex()}.{proc.pid}.deadbeef.tmp").write_bytes(half[: len(half) // 2])
+        shard = DiskStore(tmp_path, 10**9, FP).directory / key(7).hex()[:2]
+        shard.mkdir(exist_ok=True)
+        (shard / f".{key(7).hex()}.{proc.pid}.deadbeef.tmp").write_bytes(half[: len(half) // 2])
         store = DiskStore(tmp_path, 10**9, FP)
-        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        assert not [p for p in tmp_path.rglob("*.tmp")]
         hits = 0
         for i in range(40):
             got = store.get(key(i))
@@ -215,3 +238,19 @@ def test_tiered_promotes_from_disk(tmp_path: Path) -> None:
     assert tiny.get(key(1)) is not None  # promotion does not fit: still a hit
     assert t.delete(key(1)) and t.get(key(1)) is None
     assert t.stats()["misses"] == 1
+
+
+def test_other_writers_entries_are_found_and_their_deletes_seen(tmp_path: Path) -> None:
+    mine = DiskStore(tmp_path, 10**8, FP, fsync=False)
+    other = DiskStore(tmp_path, 10**8, FP, fsync=False)  # another process on the same directory
+    parent = key(500)
+    for i in range(6):
+        assert other.put(key(i), make_block(i, parent=parent if i % 2 else None))
+    for i in range(6):  # not in my index: found by re-listing the key's shard
+        got = mine.get(key(i))
+        assert got is not None and same(got, make_block(i, parent=parent if i % 2 else None))
+    assert sorted(mine.children(parent)) == [key(1), key(3), key(5)]
+    assert mine.stats()["entries"] == 6
+    assert other.delete(key(3)) and mine.get(key(3)) is None
+    mine.contains(key(999))  # a miss in the shard of keys 0..5 re-lists it: key 3's deletion is seen
+    assert key(3) not in mine.children(parent) and mine.stats()["entries"] == 5

@@ -6,7 +6,7 @@ import random
 import threading
 from pathlib import Path
 
-from test_store_disk import FP, key, make_block
+from test_store_disk import FP, entry_files, key, make_block
 
 from kvboost_core.store import DiskStore, MemoryStore, TieredStore
 
@@ -59,7 +59,7 @@ def test_eight_threads_on_one_tiered_store(tmp_path: Path) -> None:
     assert s["memory.bytes"] <= s["memory.max_bytes"] and s["disk.bytes"] <= s["disk.max_bytes"]
     # the disk index agrees with the files, and every file left verifies
     fresh = DiskStore(tmp_path, 12 * one, FP)
-    assert fresh.stats()["entries"] == len([p for p in tmp_path.iterdir() if not p.name.startswith(".")])
+    assert fresh.stats()["entries"] == len(entry_files(fresh))
     for i in range(N_KEYS):
         got = fresh.get(key(i))
         assert got is None or got.token_ids == blocks[i].token_ids

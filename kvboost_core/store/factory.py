@@ -7,6 +7,9 @@ Accepted specs:
   * a list of those: a TieredStore in the order memory -> disk -> redis, with a memory tier of
     ``max_bytes`` added first when the list has none (a single disk/redis string is read the same way);
   * an object that already implements KVStore: returned as is.
+
+``secret`` authenticates disk and Redis entries (HMAC-SHA256); None reads ``$KVBOOST_STORE_SECRET``, and
+without either entries are integrity-checked only (see :mod:`kvboost_core.store.trust`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
-from kvboost_core.config import parse_bytes
+from kvboost_core.config import parse_bytes, validate_namespace
 from kvboost_core.store.base import KVStore
 from kvboost_core.store.memory import MemoryStore
+from kvboost_core.store.trust import resolve_secret
 
 _FORMS = ("'memory'", "'disk:/path[?max_bytes=20GiB]'", "'redis://host:port/db[?ttl=seconds]'",
           "a list of those", "an object implementing KVStore")
@@ -45,7 +49,7 @@ def _kind(spec: str) -> str:
     raise _bad(spec)
 
 
-def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str) -> KVStore:
+def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str, secret: bytes | None) -> KVStore:
     kind = _kind(spec)
     if kind == "memory":
         return MemoryStore(max_bytes, namespace=namespace)
@@ -60,16 +64,19 @@ def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str) -
         if unknown:
             raise _bad(spec, f"unknown disk options {sorted(unknown)}")
         budget = parse_bytes(opts["max_bytes"]) if "max_bytes" in opts else 4 * max_bytes
-        return DiskStore(path, budget, fingerprint, namespace=namespace)
+        return DiskStore(path, budget, fingerprint, namespace=namespace, secret=secret)
     from kvboost_core.store.redis_tier import RedisStore, split_ttl
 
     url, ttl = split_ttl(spec)
-    return RedisStore(url, namespace=namespace, fingerprint=fingerprint, ttl_s=ttl)
+    return RedisStore(url, namespace=namespace, fingerprint=fingerprint, ttl_s=ttl, secret=secret)
 
 
-def build_store(spec: Any, *, max_bytes: int, fingerprint: str, namespace: str) -> KVStore:
+def build_store(spec: Any, *, max_bytes: int, fingerprint: str, namespace: str,
+                secret: str | bytes | None = None) -> KVStore:
     if is_kv_store(spec):
         return spec  # type: ignore[no-any-return]
+    validate_namespace(namespace)
+    key = resolve_secret(secret)
     if isinstance(spec, str):
         specs: Sequence[Any] = [spec]
     elif isinstance(spec, (list, tuple)):
@@ -86,9 +93,9 @@ def build_store(spec: Any, *, max_bytes: int, fingerprint: str, namespace: str) 
     if "memory" not in kinds:
         specs, kinds = ["memory", *specs], ["memory", *kinds]
     if len(specs) == 1:
-        return _build_one(specs[0], max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace)
+        return _build_one(specs[0], max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace, secret=key)
     ordered = [s for _, s in sorted(zip(kinds, specs, strict=True), key=lambda ks: _ORDER[ks[0]])]
     from kvboost_core.store.tiered import TieredStore
 
-    return TieredStore([_build_one(s, max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace)
-                        for s in ordered])
+    return TieredStore([_build_one(s, max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace,
+                                   secret=key) for s in ordered])

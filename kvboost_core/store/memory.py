@@ -3,11 +3,15 @@
 The budget is never exceeded: a put that cannot fit after evicting every unpinned entry is refused
 (returns False) rather than overshooting. Pinned entries are never evicted, and pinning more than the
 budget is refused with a ValueError. Eviction order comes from an :class:`EvictionPolicy`
-(default :class:`ImportancePolicy`).
+(default :class:`ImportancePolicy`), kept in a heap with lazy deletion: an entry's record is replaced (not
+updated in place) whenever its priority inputs change, so an evicting put costs O(log n), not a sort. This
+needs ``priority(entry)`` to depend only on the entry's fields, not on when it is called (both built-in
+policies do).
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +19,7 @@ from collections import defaultdict
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock
 from kvboost_core.store.eviction import EntryMeta, EvictionPolicy, ImportancePolicy
+from kvboost_core.store.trust import validate_namespace
 
 
 class MemoryStore:
@@ -24,7 +29,8 @@ class MemoryStore:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._max_bytes = int(max_bytes)
         self._policy = policy or ImportancePolicy()
-        self._namespace = namespace  # None: any namespace; else blocks of another namespace never hit
+        # None: any namespace; else blocks of another namespace never hit
+        self._namespace = validate_namespace(namespace) if namespace is not None else None
         self._hits = 0
         self._misses = 0
         self._blocks: dict[CacheKey, KVBlock] = {}
@@ -33,6 +39,9 @@ class MemoryStore:
         self._bytes = 0
         self._pinned_bytes = 0
         self._evictions = 0
+        self._heap: list[tuple[float, int, CacheKey]] = []  # (priority, seq, key); pinned entries absent
+        self._live: dict[CacheKey, int] = {}  # key -> seq of its one current heap record
+        self._seq = 0
         self._lock = threading.RLock()
 
     # -- reads --------------------------------------------------------------------------------------
@@ -45,6 +54,7 @@ class MemoryStore:
             meta = self._meta[key]
             meta.hits += 1
             meta.last_access = time.monotonic()
+            self._push(meta)
             self._hits += 1
             return block
 
@@ -86,6 +96,7 @@ class MemoryStore:
             self._meta[key] = EntryMeta(key=key, nbytes=size, num_tokens=block.num_tokens,
                                         num_layers=n_layers, pinned=pinned)
             self._bytes += size
+            self._push(self._meta[key])
             if pinned:
                 self._pinned_bytes += size
             if block.parent is not None:
@@ -104,6 +115,7 @@ class MemoryStore:
             elif not pinned and meta.pinned:
                 self._pinned_bytes -= meta.nbytes
             meta.pinned = pinned
+            self._push(meta)
             return True
 
     def delete(self, key: CacheKey) -> bool:
@@ -126,6 +138,8 @@ class MemoryStore:
             self._blocks.clear()
             self._meta.clear()
             self._children.clear()
+            self._heap.clear()
+            self._live.clear()
             self._bytes = self._pinned_bytes = 0
 
     def stats(self) -> dict[str, int]:
@@ -144,7 +158,20 @@ class MemoryStore:
         return self._bytes
 
     # -- internals (lock held) ----------------------------------------------------------------------
+    def _push(self, meta: EntryMeta) -> None:
+        """Supersede ``meta``'s heap record (older records are skipped when popped); pinned: no record."""
+        if meta.pinned:
+            self._live.pop(meta.key, None)
+            return
+        self._seq += 1
+        self._live[meta.key] = self._seq
+        heapq.heappush(self._heap, (self._policy.priority(meta), self._seq, meta.key))
+        if len(self._heap) > 2 * len(self._meta) + 1024:  # stale records dominate: rebuild, O(n)
+            self._heap = [(self._policy.priority(self._meta[k]), s, k) for k, s in self._live.items()]
+            heapq.heapify(self._heap)
+
     def _remove(self, key: CacheKey) -> None:
+        self._live.pop(key, None)
         block = self._blocks.pop(key)
         meta = self._meta.pop(key)
         self._bytes -= meta.nbytes
@@ -162,10 +189,10 @@ class MemoryStore:
             return True
         if self._pinned_bytes + size > self._max_bytes:
             return False  # even evicting every unpinned entry would not make room
-        victims = sorted((m for m in self._meta.values() if not m.pinned), key=self._policy.priority)
-        for meta in victims:
-            if self._bytes + size <= self._max_bytes:
-                break
-            self._remove(meta.key)
+        while self._heap and self._bytes + size > self._max_bytes:
+            _, seq, key = heapq.heappop(self._heap)
+            if self._live.get(key) != seq:
+                continue  # superseded, pinned or removed since this record was pushed
+            self._remove(key)
             self._evictions += 1
         return self._bytes + size <= self._max_bytes

@@ -6,11 +6,20 @@ Keys: ``kvboost:{namespace}:{fingerprint}:{key hex}``; the children of a parent 
 Redis being down or slow must never take the engine down: every operation catches connection errors and
 timeouts (``socket_timeout`` 0.5 s by default), answers a miss / False / no-op, and warns once per outage.
 After a failure the tier stays "down" for ``retry_after_s`` so that each request does not pay the timeout.
+
+Trust: any client of the server can write any key, so every value goes through
+:func:`~kvboost_core.store.serialize.parse_entry` (structure, key, namespace, model, MAC); a value that fails is a
+miss and is unlinked. Only a deployment secret (``secret=`` / ``KVBOOST_STORE_SECRET``) stops a client that can
+write to the server from forging entries another tenant will serve; without one this tier logs a warning.
+Namespaces and fingerprints come from a fixed character set and ``clear()`` matches an escaped literal prefix,
+so no tenant's name can act as a glob over another's keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import threading
 import time
 import warnings
@@ -19,9 +28,28 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock
-from kvboost_core.store.serialize import CorruptEntry, dumps, loads
+from kvboost_core.store.serialize import CorruptEntry, dumps, parse_entry
+from kvboost_core.store.trust import (
+    SECRET_ENV,
+    DropLog,
+    resolve_secret,
+    validate_fingerprint,
+    validate_namespace,
+)
 
 logger = logging.getLogger("kvboost")
+_GLOB_SPECIAL = frozenset("*?[]\\")
+_warned_no_secret = False
+_HEX_KEY = re.compile(rb"[0-9a-f]{32}")
+
+
+def _wrong_type(err: BaseException) -> bool:
+    return "WRONGTYPE" in str(err)  # a pipeline prefixes "Command # n (...) of pipeline caused error: "
+
+
+def glob_escape(literal: str) -> str:
+    """``literal`` as a Redis MATCH pattern that matches exactly itself (``*?[]\\`` escaped)."""
+    return "".join("\\" + c if c in _GLOB_SPECIAL else c for c in literal)
 
 
 def _import_redis() -> Any:
@@ -41,14 +69,41 @@ def split_ttl(url: str) -> tuple[str, float | None]:
     return urlunsplit(parts._replace(query=rest)), ttl
 
 
+# GET, unless the value is over the cap: then only its length comes back (a planted 500 MB value is never
+# transferred or parsed). STRLEN on a list/set raises WRONGTYPE like GET would.
+_GET_BOUNDED = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then return n end
+return redis.call('GET', KEYS[1])
+"""
+_DEL_IF_EQUAL = """
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _warn_no_secret() -> None:
+    global _warned_no_secret
+    if not _warned_no_secret:
+        _warned_no_secret = True
+        logger.warning("kvboost redis tier without a store secret: entries are integrity-checked but not "
+                       "authenticated, so any client of the server can forge them; set %s or store_secret=",
+                       SECRET_ENV)
+
+
 class RedisStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, namespace: str, fingerprint: str,
                  ttl_s: float | None = None, socket_timeout: float = 0.5, retry_after_s: float = 2.0,
-                 client: Any = None) -> None:
+                 client: Any = None, secret: str | bytes | None = None,
+                 max_entry_bytes: int = 256 * 1024**2) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
-        if not namespace or not fingerprint:
-            raise ValueError("RedisStore needs a namespace and a fingerprint (both are part of every key)")
+        validate_namespace(namespace)
+        validate_fingerprint(fingerprint)
+        self._secret = resolve_secret(secret)
+        if self._secret is None:
+            _warn_no_secret()
         redis = _import_redis()
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
         self._client = client if client is not None else redis.Redis.from_url(
@@ -63,6 +118,9 @@ class RedisStore:
         self._warned = False
         self._lock = threading.Lock()  # guards the counters and the outage state; redis-py's pool is safe
         self._counters = {"hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "puts": 0}
+        self._log_drop = DropLog(logger, "redis")
+        self._max_entry_bytes = int(max_entry_bytes)
+        self._get_bounded = self._client.register_script(_GET_BOUNDED)
 
     # -- outage handling -----------------------------------------------------------------------------------
     def _available(self) -> bool:
@@ -102,25 +160,30 @@ class RedisStore:
             self._count("misses")
             return None
         try:
-            data = self._client.get(self._k(key))
+            data = self._get_bounded(keys=[self._k(key)], args=[self._max_entry_bytes])
         except self._errors as e:
-            self._failed("get", e)
+            if _wrong_type(e):  # another client stored a list/set/... there: bad data, not an outage
+                self._drop_key(self._k(key), "not a string value")
+            else:
+                self._failed("get", e)
             self._count("misses")
             return None
         self._recovered()
         if data is None:
             self._count("misses")
             return None
+        if isinstance(data, int):  # the value's length, returned instead of a value over the cap
+            self._drop_key(self._k(key), f"{data} bytes is over the {self._max_entry_bytes}-byte entry cap")
+            self._count("misses")
+            return None
         try:
-            block = loads(bytes(data), key=key, fingerprint=self._fingerprint)
+            block = parse_entry(data, key=key, namespace=self._namespace, fingerprint=self._fingerprint,
+                                secret=self._secret)
         except CorruptEntry as e:
-            logger.warning("kvboost redis tier: dropped corrupt entry %s: %s", key.hex(), e)
+            self._log_drop(self._k(key), str(e))
             self._count("corrupt")
             self._count("misses")
-            self.delete(key)
-            return None
-        if block.namespace != self._namespace:
-            self._count("misses")
+            self._unlink_if_same(key, data)
             return None
         self._count("hits")
         return block
@@ -133,18 +196,23 @@ class RedisStore:
             raise ValueError("block fingerprint does not match the Redis store's fingerprint")
         if not self._available():
             return False
-        data = dumps(key, block)
-        try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._k(key), data, px=self._ttl_ms)
-            if block.parent is not None:
-                pipe.sadd(self._kids(block.parent), key.hex())
-                if self._ttl_ms is not None:
-                    pipe.pexpire(self._kids(block.parent), self._ttl_ms)
-            pipe.execute()
-        except self._errors as e:
-            self._failed("put", e)
-            return False
+        data = dumps(key, block, secret=self._secret)
+        for attempt in (0, 1):
+            try:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.set(self._k(key), data, px=self._ttl_ms)
+                if block.parent is not None:
+                    pipe.sadd(self._kids(block.parent), key.hex())
+                    if self._ttl_ms is not None:
+                        pipe.pexpire(self._kids(block.parent), self._ttl_ms)
+                pipe.execute()
+                break
+            except self._errors as e:
+                if attempt == 0 and block.parent is not None and _wrong_type(e):
+                    self._drop_key(self._kids(block.parent), "children key is not a SET")
+                    continue  # once more, with the bad children key gone
+                self._failed("put", e)
+                return False
         self._recovered()
         self._count("puts")
         return True
@@ -172,12 +240,40 @@ class RedisStore:
         self._recovered()
         return removed
 
+    def _drop_key(self, rkey: str, reason: str) -> None:
+        self._log_drop(rkey, reason)
+        self._count("corrupt")
+        try:
+            self._client.delete(rkey)
+        except self._errors as e:
+            self._failed("delete", e)
+
+    def _unlink_if_same(self, key: CacheKey, bad: bytes) -> None:
+        """Unlink a bad value, unless a writer replaced it since we read it (compare-and-delete in one script,
+        so a fresh good entry is never removed)."""
+        if not self._available():
+            return
+        try:
+            self._client.eval(_DEL_IF_EQUAL, 1, self._k(key), hashlib.sha1(bad).hexdigest())
+        except self._errors as e:
+            self._failed("delete", e)
+
     def children(self, parent: CacheKey) -> list[CacheKey]:
         if not self._available():
             return []
         try:
-            members = sorted(m.decode() if isinstance(m, bytes) else m
-                             for m in self._client.smembers(self._kids(parent)))
+            raw = self._client.smembers(self._kids(parent))
+        except self._errors as e:
+            if _wrong_type(e):
+                self._drop_key(self._kids(parent), "children key is not a SET")
+            else:
+                self._failed("children", e)
+            return []
+        try:
+            junk = [m for m in raw if not isinstance(m, bytes) or _HEX_KEY.fullmatch(m) is None]
+            members = sorted(m.decode() for m in raw if isinstance(m, bytes) and _HEX_KEY.fullmatch(m))
+            if junk:  # members that are not key hex (written by someone else): never parsed, removed
+                self._client.srem(self._kids(parent), *junk)
             if not members:
                 return []
             pipe = self._client.pipeline(transaction=False)
@@ -199,8 +295,12 @@ class RedisStore:
             return
         try:
             batch: list[bytes] = []
-            for k in self._client.scan_iter(match=self._prefix + "*", count=500):
-                batch.append(k)
+            prefix = self._prefix.encode()
+            for k in self._client.scan_iter(match=glob_escape(self._prefix) + "*", count=500):
+                raw = k if isinstance(k, bytes) else str(k).encode()
+                if not raw.startswith(prefix):  # belt and braces: never delete what is not under our prefix
+                    continue
+                batch.append(raw)
                 if len(batch) >= 500:
                     self._client.delete(*batch)
                     batch.clear()

@@ -1,42 +1,49 @@
 """One block <-> safetensors bytes, shared by the disk and Redis tiers. Nothing is pickled.
 
-Tensors: ``token_ids`` (int64, (n,)) plus either ``k``/``v`` (dense, (L, H, n, D), any dtype safetensors
-holds) or the quantized ``k_codes``/``k_scale``/``k_min``/``v_codes``/``v_scale``/``v_min`` (layout in
-:mod:`kvboost_core.quant`). The safetensors metadata (str -> str) carries the key, namespace, fingerprint,
-kind, parent, base_position, payload type/bits/group/true sizes, the format version, and ``checksum``: an
-xxh3-128 over every tensor (name, dtype, shape, bytes, in name order) and every other metadata item.
+Tensors: ``token_ids`` (int64, (n,)) plus either ``k``/``v`` (dense, (L, H, n, D), float) or the quantized
+``k_codes``/``k_scale``/``k_min``/``v_codes``/``v_scale``/``v_min`` (layout in :mod:`kvboost_core.quant`).
+The safetensors metadata (str -> str) carries the key, namespace, fingerprint, kind, parent, base_position,
+context digest, payload type/bits/group/true sizes, the format version, and ``tag``: a MAC (or, without a
+secret, an integrity hash) over the canonical header and the tensor bytes, see :mod:`.trust`.
+
+:func:`parse_entry` is the one validation boundary for bytes read from disk or Redis: whatever is wrong with
+them (bad JSON, wrong types, offsets out of range, wrong dtype or shape, a length mismatch, a bad tag, another
+key/namespace/model, an unknown kind) it raises :class:`CorruptEntry` and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 from typing import Any
 
 import torch
-import xxhash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from kvboost_core.keys import CacheKey, Fingerprint
-from kvboost_core.store.base import DensePayload, KVBlock
+from kvboost_core.store.base import KINDS, DensePayload, KVBlock
+from kvboost_core.store.trust import entry_tag, tags_equal
 
-FORMAT_VERSION = "1"
-HEADER_LIMIT = 1 << 24  # a header over 16 MiB is not one of ours
+FORMAT_VERSION = "2"
+HEADER_LIMIT = 1 << 20  # our headers are a few hundred bytes; anything near a MiB is not one of ours
+
+_DTYPES: dict[torch.dtype, str] = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                                   torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                                   torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_QUANT = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
+_TENSORS = {"dense": frozenset({"k", "v", "token_ids"}), "quant": frozenset({*_QUANT, "token_ids"})}
+_META = frozenset({"format", "key", "namespace", "fingerprint", "kind", "parent", "base_position",
+                   "context_digest", "payload", "num_tokens", "tag"})
+_QUANT_META = frozenset({"bits", "group_size", "head_dim", "keys_pre_rope"})
+_UINT = re.compile(r"0|[1-9][0-9]{0,17}")  # int() alone would take " 5", "+5" and "5_0"
+_HEX16 = re.compile(r"[0-9a-f]{32}")
+_DIGEST = re.compile(r"(?:[0-9a-f]{32}){0,2}")  # b"", 16 or 32 bytes
 
 
 class CorruptEntry(Exception):
-    """A stored entry that must not be served: truncated, checksum mismatch, foreign, or unreadable."""
-
-
-def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
-    h = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
-    return h.hexdigest()
+    """A stored entry that must not be served: truncated, malformed, unauthenticated, foreign, or unreadable."""
 
 
 def _payload_tensors(payload: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -54,70 +61,145 @@ def _payload_tensors(payload: Any) -> tuple[dict[str, torch.Tensor], dict[str, s
                                                       "num_tokens": str(payload.num_tokens)}
 
 
-def encode(key: CacheKey, block: KVBlock) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Block -> (cpu contiguous tensors, metadata with checksum)."""
+def _canonical(header: dict[str, Any]) -> bytes:
+    """The header as the tag sees it: every tensor record and every metadata item except the tag itself."""
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "tag"}
+    return json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode()
+
+
+def dumps(key: CacheKey, block: KVBlock, *, secret: bytes | None = None) -> bytes:
+    """Block -> safetensors bytes whose ``tag`` binds ``key``, the block's namespace and fingerprint."""
+    if not isinstance(block.context_digest, bytes) or len(block.context_digest) not in (0, 16, 32):
+        raise ValueError(f"context_digest must be 0, 16 or 32 bytes, got {block.context_digest!r}")
     tensors, meta = _payload_tensors(block.payload)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     tensors["token_ids"] = torch.tensor(block.token_ids, dtype=torch.int64)
     meta.update({"format": FORMAT_VERSION, "key": key.hex(), "namespace": block.namespace,
                  "fingerprint": block.fingerprint, "kind": block.kind,
                  "parent": block.parent.hex() if block.parent is not None else "",
-                 "base_position": str(block.base_position)})
-    meta["checksum"] = _checksum(tensors, meta)
-    return tensors, meta
+                 "base_position": str(block.base_position), "context_digest": block.context_digest.hex()})
+    header: dict[str, Any] = {}
+    parts: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):  # offsets contiguous from 0, as safetensors requires
+        t = tensors[name]
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        parts.append(raw)
+        offset += len(raw)
+    data = b"".join(parts)
+    header["__metadata__"] = meta
+    meta["tag"] = entry_tag(secret, key=key, namespace=block.namespace, fingerprint=block.fingerprint,
+                            header=_canonical(header), data=data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+    return struct.pack("<Q", len(head)) + head + data
 
 
-def dumps(key: CacheKey, block: KVBlock) -> bytes:
-    tensors, meta = encode(key, block)
-    return st_save(tensors, metadata=meta)
-
-
-def read_header(head: bytes) -> tuple[dict[str, Any], int]:
-    """Parse a safetensors header from the file's first bytes -> (header dict, total file size it implies).
-
-    Raises CorruptEntry when ``head`` is too short or not a safetensors header."""
+# -- reading: everything below raises CorruptEntry only (parse_entry converts the rest) -----------------------
+def parse_header(head: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse and structurally check a header from an entry's first bytes -> (header, total size it implies)."""
     if len(head) < 8:
         raise CorruptEntry("shorter than a safetensors header")
-    (hlen,) = struct.unpack("<Q", head[:8])
+    (hlen,) = struct.unpack("<Q", bytes(head[:8]))
     if hlen > HEADER_LIMIT or len(head) < 8 + hlen:
         raise CorruptEntry(f"header of {hlen} bytes is truncated or implausible")
     try:
-        header = json.loads(head[8:8 + hlen])
+        header = json.loads(bytes(head[8:8 + hlen]))
     except ValueError as e:
         raise CorruptEntry(f"header is not JSON: {e}") from e
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise CorruptEntry("header has no metadata")
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise CorruptEntry("header is not an object")
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptEntry("header has no str -> str metadata")
+    spans = []
+    for name, rec in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data_offsets"}:
+            raise CorruptEntry(f"tensor record {name!r} is malformed")
+        dtype, shape, offs = rec["dtype"], rec["shape"], rec["data_offsets"]
+        if dtype not in _FROM_NAME:
+            raise CorruptEntry(f"tensor {name!r} has dtype {dtype!r}")
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+            raise CorruptEntry(f"tensor {name!r} has shape {shape!r}")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int and o >= 0 for o in offs):
+            raise CorruptEntry(f"tensor {name!r} has offsets {offs!r}")
+        if offs[1] - offs[0] != math.prod(shape) * _FROM_NAME[dtype].itemsize:
+            raise CorruptEntry(f"tensor {name!r}: offsets {offs} do not hold {dtype} {shape}")
+        spans.append((offs[0], offs[1]))
+    end = 0
+    for begin, stop in sorted(spans):  # the data section is exactly the tensors, back to back
+        if begin != end:
+            raise CorruptEntry("tensor data overlaps or leaves a gap")
+        end = stop
     return header, 8 + hlen + end
 
 
-def check_meta(meta: dict[str, str], key: CacheKey | None, fingerprint: str | None) -> None:
-    """Raise CorruptEntry if the metadata is not ours, not this key's, or not this model's."""
+def parse_entry(data: bytes | memoryview, *, key: CacheKey, namespace: str, fingerprint: str,
+                secret: bytes | None) -> KVBlock:
+    """Bytes read from a tier -> a block fit to serve ``key`` to (``namespace``, ``fingerprint``), or
+    CorruptEntry. No other exception escapes: this is the trust boundary for disk and Redis."""
+    try:
+        return _parse(memoryview(data), key, namespace, fingerprint, secret)
+    except CorruptEntry:
+        raise
+    except Exception as e:  # noqa: BLE001 - any defect in untrusted bytes is a miss, never a crash
+        raise CorruptEntry(f"malformed entry: {type(e).__name__}: {e}") from e
+
+
+def _parse(data: memoryview, key: CacheKey, namespace: str, fingerprint: str, secret: bytes | None) -> KVBlock:
+    header, size = parse_header(data)
+    if size != len(data):
+        raise CorruptEntry(f"size {len(data)} != {size} declared by the header (truncated?)")
+    meta: dict[str, str] = header["__metadata__"]
+    check_meta(meta, key, namespace, fingerprint)
+    data_start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
+    want = entry_tag(secret, key=key, namespace=namespace, fingerprint=fingerprint, header=_canonical(header),
+                     data=data[data_start:])
+    if not tags_equal(meta["tag"], want):
+        scheme = meta["tag"].partition(":")[0]
+        why = "bad MAC" if scheme == want.partition(":")[0] else f"tag scheme {scheme!r} is not accepted here"
+        raise CorruptEntry(why)
+    names = _TENSORS.get(meta["payload"])
+    if names is None or set(header) - {"__metadata__"} != names:
+        raise CorruptEntry(f"payload {meta['payload']!r} with tensors {sorted(set(header) - {'__metadata__'})}")
+    tensors = {}
+    for name in names:
+        rec = header[name]
+        begin, stop = rec["data_offsets"]
+        dtype = _FROM_NAME[rec["dtype"]]
+        # own, aligned memory per tensor: the entry's buffer may be read-only or misaligned for the dtype
+        raw = bytearray(data[data_start + begin:data_start + stop])
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.reshape(rec["shape"])
+    return _decode(tensors, meta)
+
+
+def check_meta(meta: dict[str, str], key: CacheKey, namespace: str, fingerprint: str) -> None:
+    """Raise CorruptEntry if the metadata is incomplete, not ours, not this key's, tenant's or model's."""
     if meta.get("format") != FORMAT_VERSION:
         raise CorruptEntry(f"format {meta.get('format')!r} != {FORMAT_VERSION}")
-    if key is not None and meta.get("key") != key.hex():
+    missing = _META - set(meta)
+    if meta.get("payload") == "quant":
+        missing |= _QUANT_META - set(meta)
+    if missing:
+        raise CorruptEntry(f"metadata lacks {sorted(missing)}")
+    if meta["key"] != key.hex():
         raise CorruptEntry("entry holds another key")
-    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+    if meta["namespace"] != namespace:
+        raise CorruptEntry("entry of another namespace")
+    if meta["fingerprint"] != fingerprint:
         raise CorruptEntry("foreign model fingerprint")
 
 
-def loads(data: bytes, *, key: CacheKey | None = None, fingerprint: str | None = None) -> KVBlock:
-    """Bytes -> verified block. Raises CorruptEntry for anything that must not be served."""
-    header, size = read_header(data)
-    if size != len(data):
-        raise CorruptEntry(f"size {len(data)} != {size} declared by the header (truncated?)")
-    meta = header["__metadata__"]
-    check_meta(meta, key, fingerprint)
-    try:
-        tensors = st_load(data)
-    except Exception as e:  # safetensors raises its own error type for malformed data
-        raise CorruptEntry(f"unreadable tensors: {e}") from e
-    if _checksum(tensors, meta) != meta.get("checksum"):
-        raise CorruptEntry("checksum mismatch")
-    try:
-        return _decode(tensors, meta)
-    except (KeyError, ValueError, TypeError) as e:
-        raise CorruptEntry(f"inconsistent entry: {e}") from e
+def _uint(meta: dict[str, str], name: str) -> int:
+    if _UINT.fullmatch(meta[name]) is None:
+        raise CorruptEntry(f"{name}={meta[name]!r} is not a non-negative int")
+    return int(meta[name])
 
 
 def _decode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVBlock:
@@ -125,17 +207,28 @@ def _decode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVBlock:
     if meta["payload"] == "quant":
         from kvboost_core.quant import QuantPayload
 
-        payload = QuantPayload(bits=int(meta["bits"]), group_size=int(meta["group_size"]),
-                               head_dim=int(meta["head_dim"]), **{k: tensors[k] for k in (
-                                   "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")},
-                               keys_pre_rope=meta.get("keys_pre_rope", "0") == "1")
-    elif meta["payload"] == "dense":
-        payload = DensePayload(tensors["k"], tensors["v"])
+        if meta["keys_pre_rope"] not in ("0", "1"):
+            raise CorruptEntry(f"keys_pre_rope={meta['keys_pre_rope']!r}")
+        payload = QuantPayload(bits=_uint(meta, "bits"), group_size=_uint(meta, "group_size"),
+                               head_dim=_uint(meta, "head_dim"), **{k: tensors[k] for k in _QUANT},
+                               keys_pre_rope=meta["keys_pre_rope"] == "1")
     else:
-        raise ValueError(f"unknown payload type {meta['payload']!r}")
-    if payload.num_tokens != int(meta["num_tokens"]):
-        raise ValueError("token count disagrees with the metadata")
+        k, v = tensors["k"], tensors["v"]
+        if not (k.dtype.is_floating_point and v.dtype.is_floating_point):
+            raise CorruptEntry(f"dense K/V must be float, got {k.dtype} and {v.dtype}")
+        payload = DensePayload(k, v)  # checks both are (L, H, n, D) of one shape
+    ids = tensors["token_ids"]
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise CorruptEntry(f"token_ids must be int64 (n,), got {ids.dtype} {tuple(ids.shape)}")
+    if not payload.num_tokens == len(ids) == _uint(meta, "num_tokens"):
+        raise CorruptEntry("token count disagrees between K/V, token ids and metadata")
+    if meta["kind"] not in KINDS:
+        raise CorruptEntry(f"kind {meta['kind']!r}")
+    if meta["parent"] and _HEX16.fullmatch(meta["parent"]) is None:
+        raise CorruptEntry(f"parent {meta['parent']!r}")
+    if _DIGEST.fullmatch(meta["context_digest"]) is None:
+        raise CorruptEntry("context_digest must be 0, 16 or 32 bytes of hex")
     parent = CacheKey(bytes.fromhex(meta["parent"])) if meta["parent"] else None
-    return KVBlock(token_ids=tuple(tensors["token_ids"].tolist()), payload=payload,
-                   base_position=int(meta["base_position"]), fingerprint=Fingerprint(meta["fingerprint"]),
-                   namespace=meta["namespace"], kind=meta["kind"], parent=parent)
+    return KVBlock(token_ids=tuple(ids.tolist()), payload=payload, base_position=_uint(meta, "base_position"),
+                   fingerprint=Fingerprint(meta["fingerprint"]), namespace=meta["namespace"], kind=meta["kind"],
+                   parent=parent, context_digest=bytes.fromhex(meta["context_digest"]))
