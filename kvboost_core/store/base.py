@@ -72,6 +72,7 @@ class KVBlock:
     namespace: str
     kind: str = "content"
     parent: CacheKey | None = None  # the parent prefix key, for kind == "prefix"
+    context_digest: bytes = b""  # chained digest of every token before and in this block (prefix kinds); b"" for content
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -62,7 +62,7 @@ def encode(key: CacheKey, block: KVBlock) -> tuple[dict[str, torch.Tensor], dict
     meta.update({"format": FORMAT_VERSION, "key": key.hex(), "namespace": block.namespace,
                  "fingerprint": block.fingerprint, "kind": block.kind,
                  "parent": block.parent.hex() if block.parent is not None else "",
-                 "base_position": str(block.base_position)})
+                 "base_position": str(block.base_position), "context_digest": block.context_digest.hex()})
     meta["checksum"] = _checksum(tensors, meta)
     return tensors, meta
 
@@ -138,4 +138,5 @@ def _decode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVBlock:
     parent = CacheKey(bytes.fromhex(meta["parent"])) if meta["parent"] else None
     return KVBlock(token_ids=tuple(tensors["token_ids"].tolist()), payload=payload,
                    base_position=int(meta["base_position"]), fingerprint=Fingerprint(meta["fingerprint"]),
-                   namespace=meta["namespace"], kind=meta["kind"], parent=parent)
+                   namespace=meta["namespace"], kind=meta["kind"], parent=parent,
+                   context_digest=bytes.fromhex(meta.get("context_digest", "")))
