@@ -117,8 +117,14 @@ class KVEngine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = _resolve_dtype(dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa",
-                                                     **(model_kwargs or {}))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                         attn_implementation="sdpa", **(model_kwargs or {}))
+        except ValueError as e:  # families without an SDPA path (Gemma 2) load with eager attention
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                         attn_implementation="eager", **(model_kwargs or {}))
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
             from kvboost_core.calibrate import load_defaults

@@ -180,7 +180,7 @@ def test_greedy_answers_do_not_depend_on_request_history(story_engine_factory, r
     ref_eng = story_engine_factory()
     ref = {i: ref_eng.generate(p, max_new_tokens=8, store_prefix=False).token_ids for i, p in enumerate(prompts)}
     rng = random.Random(5)
-    for trial in range(2):
+    for _ in range(2):
         order = rng.sample(range(len(prompts)), len(prompts))
         assert _answers(story_engine_factory(), prompts, order) == ref, f"single thread, order {order}"
     order = rng.sample(range(len(prompts)), len(prompts))
