@@ -189,3 +189,13 @@ def test_greedy_answers_do_not_depend_on_request_history(story_engine_factory, r
     assert eng.stats()["hits_exact"] > 0  # later prompts did hit prefixes stored by earlier ones
     report.append(f"history: 12 prompts, 2 single-thread orders + 8 threads: identical greedy "
                   f"answers; exact-prefix hits {eng.stats()['hits_exact']} tokens")
+
+
+def test_prefix_hits_survive_the_disk_tier(tiny_llama, tokenizer, tmp_path):
+    """The context digest is stored with the block: a second engine on the same disk store hits the prefix."""
+    prompt = [Segment(text=CORPUS[6]), Segment(text=CORPUS[0]), Segment(text=" Why?")]
+    first = engine_for(tiny_llama, tokenizer, store=f"disk:{tmp_path}").prefill(prompt)
+    assert first.stats["reused_exact"] == 0
+    second = engine_for(tiny_llama, tokenizer, store=f"disk:{tmp_path}").prefill(prompt)
+    assert second.stats["reused_exact"] >= second.stats["prompt_tokens"] - 16
+    assert (first.last_logits - second.last_logits).abs().max().item() < 1e-4
