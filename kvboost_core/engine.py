@@ -288,6 +288,10 @@ class KVEngine:
         if isinstance(prompts, (str, bytes, Segment)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of prompts (each a str, a Segment or a list of them), got "
                             f"a {type(prompts).__name__}; wrap a single prompt in a list")
+        if isinstance(repairs, str) or not isinstance(repairs, Sequence):
+            raise TypeError(f"repairs must be a list of repair names, got {type(repairs).__name__} {repairs!r}")
+        for r in repairs:
+            validate_repair(r, 0.0)
         return verify(self, prompts, repairs, max_new_tokens, **repair_kw)
 
     def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,

@@ -119,6 +119,12 @@ def test_verify_rejects_a_bare_prompt(eng, prompts):
         eng.verify(prompts)
 
 
+@pytest.mark.parametrize("repairs,exc", [("cacheblend", TypeError), (("none", "fast"), ValueError)])
+def test_verify_rejects_bad_repairs(eng, repairs, exc):
+    with pytest.raises(exc, match="repair"):
+        eng.verify(["Where?"], repairs=repairs)
+
+
 @pytest.mark.parametrize("kw,exc,name", [
     (dict(check_layer=True), TypeError, "check_layer"),
     (dict(check_layer=-1), ValueError, "check_layer"),
