@@ -79,6 +79,9 @@ class ModelAdapter:
     rope: RopeSupport
     max_context: int
     layerwise: bool = True  # False: prefix-only reuse through HF's own forward and cache (no re-placement)
+    # Why no KV is reused at all (plain HF generation), or None. Set for prefix-only families with sliding-window
+    # layers: HF keeps only the last `window` tokens of those layers, so their KV cannot be stored or re-placed.
+    no_reuse: str | None = None
 
     @classmethod
     def for_model(cls, model: Any) -> ModelAdapter:
@@ -112,14 +115,22 @@ class ModelAdapter:
     def _prefix_only(cls, model: Any, reason: str) -> ModelAdapter:
         """Exact-prefix reuse through the model's own forward: correct for any causal LM whose HF cache is
         (B, H, T, D) per layer, because an identical prefix at identical positions needs no re-rotation."""
-        warnings.warn(f"kvboost: {reason}; falling back to exact-prefix reuse only", stacklevel=3)
         cfg = model.config
         heads = cfg.num_attention_heads
+        windows = _sliding_windows(cfg, cfg.num_hidden_layers)
+        no_reuse = None
+        if any(w is not None for w in windows):
+            # the engine warns once, when it is built on this adapter
+            no_reuse = (f"{reason}; its sliding-window layers keep only the last {max(w or 0 for w in windows)} "
+                        "tokens in HF's cache, so no KV is reused: plain HF generation")
+        else:
+            warnings.warn(f"kvboost: {reason}; falling back to exact-prefix reuse only", stacklevel=3)
         return cls(model=model, inner=None, num_layers=cfg.num_hidden_layers,
                    num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                   windows=[None] * cfg.num_hidden_layers, rope=RopeSupport(False, "none", reason),
-                   max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0), layerwise=False)
+                   windows=windows, rope=RopeSupport(False, "none", reason),
+                   max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0), layerwise=False,
+                   no_reuse=no_reuse)
 
     @torch.inference_mode()
     def hf_prefill(self, ids: torch.Tensor, cache: ScatterCache, reused: int) -> torch.Tensor:
@@ -135,11 +146,13 @@ class ModelAdapter:
         out = self.model(input_ids=ids[reused:].view(1, -1), cache=hf if reused else None, use_cache=True,
                          logits_to_keep=1)
         hf = output_cache(out)
+        cache.hf = hf
+        if self.no_reuse:
+            return out.logits[0, -1]  # nothing is stored: HF's window-sized layers need no copy
         total = ids.numel()
         for layer in range(self.num_layers):
             cache.keys[layer][:, :, :total] = hf.layers[layer].keys
             cache.values[layer][:, :, :total] = hf.layers[layer].values
-        cache.hf = hf
         return out.logits[0, -1]
 
     @torch.inference_mode()

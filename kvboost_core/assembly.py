@@ -1,15 +1,19 @@
 """Planning which prompt positions come from the cache, and placing that KV into the assembled buffers.
 
 Lookup order: the longest exact prefix first (prefix keys chained from the root; the last matching chunk may
-match only partly), then content hits for cacheable segments anywhere after it. Every hit is verified token
-by token against the request; a mismatch is a miss, never a wrong KV.
+match only partly), then content hits for cacheable segments anywhere after it. Every hit is verified against
+the request; a mismatch is a miss, never a wrong KV: a content hit by its own tokens, a prefix hit by its own
+tokens *and* a chained digest of every token before it (a key is a 128-bit hash; a collision, forced or
+accidental, must not serve KV computed after a different context).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvboost_core.kernels.ops import place_block
@@ -18,7 +22,19 @@ from kvboost_core.rope import delta_cos_sin
 from kvboost_core.segments import TokenizedSegment
 from kvboost_core.store.base import PREFIX_KINDS, KVBlock, KVStore
 
-FRESH, EXACT, APPROX = 0, 1, 2
+# Per-position status. REPAIRED: served from a "repaired" prefix entry (an earlier repaired prefill's KV, an
+# approximation; only when the engine is configured to store and serve them): reused as is, never counted exact.
+FRESH, EXACT, APPROX, REPAIRED = 0, 1, 2, 3
+_DIGEST_SEED = b"kvboost/context/1"
+
+
+def chain_digest(previous: bytes, token_ids: Sequence[int]) -> bytes:
+    """blake2b-128 of the previous chunk's digest and this chunk's tokens: digest_i names tokens [0, end_i).
+
+    A different hash family from the keys (xxh3), so one collision cannot defeat both."""
+    h = hashlib.blake2b(previous or _DIGEST_SEED, digest_size=16)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())  # the keys' token encoding
+    return h.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,7 @@ class Plan:
     exact_len: int = 0  # positions [0, exact_len) come from the prefix chain
     repaired_from: int | None = None  # first position served from a "repaired" (approximate) prefix entry
     hits_exact: int = 0  # tokens
+    hits_repaired: int = 0  # tokens of the prefix served from "repaired" entries (from ``repaired_from``)
     hits_content: int = 0
     misses: int = 0
 
@@ -98,25 +115,28 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
     # 1) exact prefix through the prefix chain
     parent = root_key(namespace, fingerprint)
     covered = 0
+    digest = b""  # chained digest of the request's tokens [0, ch.start)
     for ch in chunks:
         want = ids[ch.start:ch.end]
         block = store.get(prefix_key(parent, want))
         if (block is not None and block.kind in kinds and block.base_position == ch.start
-                and list(block.token_ids) == want):
+                and list(block.token_ids) == want and block.context_digest == chain_digest(digest, want)):
             plan.placements.append(Placement(block, 0, ch.start, len(want), exact=True))
             if block.kind == "repaired" and frontier is None:
                 frontier = ch.start
             covered = ch.end
             parent = prefix_key(parent, want)
+            digest = block.context_digest
             continue
-        # partial: a stored child of the same parent that shares a leading run with the request
+        # partial: a stored child of the same parent that shares a leading run with the request. Its digest
+        # covers its own tokens after *our* prefix exactly when it was computed after the same tokens.
         best, best_n = None, 0
         for child in store.children(parent):
             cand = store.get(child)
             if cand is None or cand.kind not in kinds or cand.base_position != ch.start or cand.parent != parent:
                 continue
             n = _common_prefix(cand.token_ids, ids[ch.start:])
-            if n > best_n:
+            if n > best_n and cand.context_digest == chain_digest(digest, cand.token_ids):
                 best, best_n = cand, n
         if best is not None and best_n > 0:
             plan.placements.append(Placement(best, 0, ch.start, best_n, exact=True))
@@ -126,9 +146,11 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
         break
     plan.exact_len = covered
     plan.repaired_from = frontier
+    exact_end = covered if frontier is None else frontier
     for p in range(covered):
-        plan.status[p] = EXACT
-    plan.hits_exact = covered
+        plan.status[p] = EXACT if p < exact_end else REPAIRED
+    plan.hits_exact = exact_end
+    plan.hits_repaired = covered - exact_end
 
     # 2) content hits for cacheable segments after the exact prefix
     floor = max(covered, sink_tokens)
@@ -142,8 +164,8 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
             if lo >= hi:
                 continue
             block = store.get(content_key(namespace, fingerprint, ref[ra:rb]))
-            if block is None or list(block.token_ids) != list(ref[ra:rb]):
-                continue
+            if block is None or block.kind != "content" or list(block.token_ids) != list(ref[ra:rb]):
+                continue  # a key collision or another kind of entry: a miss
             usable = [seg.token_ids[i] == ref[i + d] and seg.start + i >= floor for i in range(lo, hi)]
             for a, b in _runs(usable):
                 i0 = lo + a
@@ -151,7 +173,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
                 for p in range(seg.start + i0, seg.start + lo + b):
                     plan.status[p] = APPROX
                 plan.hits_content += b - a
-    plan.misses = total - plan.hits_exact - plan.hits_content
+    plan.misses = total - plan.hits_exact - plan.hits_repaired - plan.hits_content
     return plan
 
 
@@ -172,11 +194,12 @@ def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rota
 
 
 def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[int],
-                      chunks: Sequence[Chunk]) -> list[tuple[CacheKey, CacheKey]]:
-    """(parent, key) of every chunk's prefix key, in order."""
-    out, parent = [], root_key(namespace, fingerprint)
+                      chunks: Sequence[Chunk]) -> list[tuple[CacheKey, CacheKey, bytes]]:
+    """(parent, key, context digest) of every chunk's prefix entry, in order."""
+    out, parent, digest = [], root_key(namespace, fingerprint), b""
     for ch in chunks:
         key = prefix_key(parent, ids[ch.start:ch.end])
-        out.append((parent, key))
+        digest = chain_digest(digest, ids[ch.start:ch.end])
+        out.append((parent, key, digest))
         parent = key
     return out

@@ -65,7 +65,11 @@ class EngineConfig:
     namespace: str = "default"
     store: Any = "memory"
     store_prefix: bool = True
-    store_repaired: bool = True
+    # False (the default): KV from a repaired (approximate) prefill is never stored, so no request is served
+    # another request's approximation and greedy output does not depend on request history. True stores it
+    # under the prompt's prefix keys and serves it (counted as ``reused_repaired``, never as exact) to later
+    # prompts with the same prefix: faster multi-turn reuse, but answers then depend on which request came first.
+    store_repaired: bool = False
     add_special_tokens: bool = True
     # None: the tokenizer's BOS (else EOS); "chat": the chat template's head before a user message (system turn
     # and user header); a str or a list of ids overrides
@@ -81,8 +85,9 @@ class EngineConfig:
             raise ValueError(f"boundary_window must be in [0, chunk_size), got {self.boundary_window!r}")
         validate_repair(self.repair, self.recompute_ratio, self.select)
         validate_adaptive(self.recompute_mass, self.max_recompute_ratio, self.query_tokens)
-        if not isinstance(self.check_layer, int) or self.check_layer < 0:
-            raise ValueError(f"check_layer must be an int >= 0, got {self.check_layer!r}")
+        # The config does not know the model: a check_layer past its last layer is clamped to the last layer.
+        # A per-call check_layer is checked against the model (validate_check_layer).
+        validate_check_layer(self.check_layer, None)
         if not isinstance(self.overlap_k, int) or self.overlap_k < 0:
             raise ValueError(f"overlap_k must be an int >= 0, got {self.overlap_k!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
@@ -102,11 +107,13 @@ class EngineConfig:
 
 
 def validate_repair(repair: str, ratio: float, select: str = "deviation") -> None:
-    if repair not in REPAIRS:
+    if not isinstance(repair, str) or repair not in REPAIRS:
         raise ValueError(f"repair must be one of {REPAIRS}, got {repair!r}")
-    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"recompute_ratio must be a float in [0, 1], got {type(ratio).__name__} {ratio!r}")
+    if not 0.0 <= float(ratio) <= 1.0:  # NaN fails this too
         raise ValueError(f"recompute_ratio must be a float in [0, 1], got {ratio!r}")
-    if select not in SELECTS:
+    if not isinstance(select, str) or select not in SELECTS:
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
 
 
@@ -116,3 +123,20 @@ def validate_adaptive(mass: float, max_ratio: float, query_tokens: int) -> None:
             raise ValueError(f"{name} must be a float in [0, 1], got {v!r}")
     if isinstance(query_tokens, bool) or not isinstance(query_tokens, int) or query_tokens < 0:
         raise ValueError(f"query_tokens must be an int >= 0, got {query_tokens!r}")
+
+
+def validate_check_layer(check_layer: int, num_layers: int | None) -> None:
+    """An int in [0, num_layers) (any int >= 0 when ``num_layers`` is None); a bool is not a layer."""
+    if isinstance(check_layer, bool) or not isinstance(check_layer, int):
+        raise TypeError(f"check_layer must be an int layer index, got {type(check_layer).__name__} "
+                        f"{check_layer!r}")
+    if check_layer < 0 or (num_layers is not None and check_layer >= num_layers):
+        bound = "" if num_layers is None else f" and < {num_layers} (the model's layers)"
+        raise ValueError(f"check_layer must be >= 0{bound}, got {check_layer!r}")
+
+
+def validate_flag(name: str, value: object, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be {'None or ' if allow_none else ''}a bool, got {value!r}")

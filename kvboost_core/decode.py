@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+_MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,18 +22,31 @@ class SamplingParams:
     @classmethod
     def create(cls, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                stop: str | Sequence[str] | None = None, seed: int | None = None) -> SamplingParams:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int >= 1, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite float >= 0 (0 means greedy), got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise TypeError(f"top_p must be a float in (0, 1], got {type(top_p).__name__}")
+        if not 0 < top_p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed must be None or an int, got {type(seed).__name__} {seed!r}")
+            if not 0 <= seed <= _MAX_SEED:  # torch.Generator.manual_seed takes 64 bits
+                raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed!r}")
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
             stops = (stop,)
-        else:
+        elif isinstance(stop, Sequence) and not isinstance(stop, (bytes, bytearray)):
             stops = tuple(stop)
+        else:
+            raise TypeError(f"stop must be None, a str or a list of str, got {type(stop).__name__}")
         if not all(isinstance(s, str) and s for s in stops):
             raise TypeError("stop must be a non-empty str or a list of non-empty str")
         return cls(max_new_tokens, float(temperature), float(top_p), stops, seed)

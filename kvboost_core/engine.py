@@ -8,15 +8,26 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvboost_core.adapters import ModelAdapter, ScatterCache
-from kvboost_core.assembly import APPROX, EXACT, FRESH, Plan, chunk_prefix_keys, lookup, place, plan_chunks
+from kvboost_core.assembly import (
+    APPROX,
+    EXACT,
+    FRESH,
+    REPAIRED,
+    Plan,
+    chunk_prefix_keys,
+    lookup,
+    place,
+    plan_chunks,
+)
 from kvboost_core.chunking import boundary_predicate, chunk_spans
-from kvboost_core.config import EngineConfig, validate_adaptive, validate_repair
+from kvboost_core.config import EngineConfig, validate_adaptive, validate_check_layer, validate_flag, validate_repair
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint
@@ -27,6 +38,8 @@ from kvboost_core.segments import (
     Segment,
     TokenizedSegment,
     chat_head_text,
+    check_utf8,
+    check_vocab,
     lead_token_ids,
     normalize_prompt,
     tokenize_segments,
@@ -83,9 +96,12 @@ class KVEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter.for_model(model)
+        if self.adapter.no_reuse:  # once per engine: every request then runs as plain HF generation
+            warnings.warn(f"kvboost: {self.adapter.no_reuse}", stacklevel=2)
+        self._vocab = int(model.get_input_embeddings().num_embeddings)
         self.fingerprint = model_fingerprint(model, tokenizer)
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
-                                 namespace=config.namespace)
+                                 namespace=config.namespace, secret=config.store_secret)
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self._lead = lead_token_ids(tokenizer)
         self._warm_prefix = self._resolve_warm_prefix(config.warm_prefix)
@@ -106,8 +122,14 @@ class KVEngine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = _resolve_dtype(dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation="sdpa",
-                                                     **(model_kwargs or {}))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                         attn_implementation="sdpa", **(model_kwargs or {}))
+        except ValueError as e:  # families without an SDPA path (Gemma 2) load with eager attention
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                         attn_implementation="eager", **(model_kwargs or {}))
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
             from kvboost_core.calibrate import load_defaults
@@ -129,9 +151,12 @@ class KVEngine:
             eos = self.tokenizer.eos_token_id
             return (eos,) if isinstance(eos, int) else ()
         if isinstance(spec, str):
+            check_utf8(spec, "warm_prefix")
             return tuple(self._encode(spec))
         if isinstance(spec, Sequence):
-            return tuple(int(t) for t in spec)
+            ids = tuple(int(t) for t in spec)
+            check_vocab(ids, self._vocab, "warm_prefix")
+            return ids
         raise TypeError("warm_prefix must be None, 'chat', a str or a list of token ids")
 
     def _eos_ids(self) -> set[int]:
@@ -159,6 +184,11 @@ class KVEngine:
     def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
                      check_layer: int | None, reuse_repaired: bool = True, recompute_mass: float | None = None,
                      query_tokens: int | None = None) -> RepairSpec:
+        """Per-call overrides, validated as the config validates its own (a per-call check_layer also against
+        the model's layers: the config's is clamped to the last layer since the config does not know the model)."""
+        if check_layer is not None:
+            validate_check_layer(check_layer, self.adapter.num_layers)
+        validate_flag("reuse_repaired", reuse_repaired, allow_none=False)
         c = self.config
         spec = RepairSpec(repair=c.repair if repair is None else repair,
                           recompute_ratio=c.recompute_ratio if recompute_ratio is None else recompute_ratio,
@@ -182,12 +212,13 @@ class KVEngine:
         doc_ids: list[list[int]] = []
         for seg in segments:
             ids = list(seg.token_ids) if seg.token_ids is not None else self._encode(seg.text or "")
+            check_vocab(ids, self._vocab)
             doc_ids.append(ids)
-            if not ids:
+            if not ids or self.adapter.no_reuse:
                 continue
             spans = self._spans(ids)
             keys = [content_key(self.config.namespace, self.fingerprint, ids[a:b]) for a, b in spans]
-            if all(self.store.contains(k) for k in keys):
+            if all(self._holds_content(k, ids[a:b]) for k, (a, b) in zip(keys, spans)):
                 already += 1
                 continue
             if not self.adapter.layerwise:
@@ -214,8 +245,13 @@ class KVEngine:
         return WarmResult(documents=len(segments), warmed=warmed, already_warm=already, chunks=chunks,
                           tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids)
 
+    def _holds_content(self, key: Any, ids: Sequence[int]) -> bool:
+        """The store serves this chunk's own KV under ``key`` (a key alone may collide)."""
+        block = self.store.get(key)
+        return block is not None and block.kind == "content" and list(block.token_ids) == list(ids)
+
     def _block(self, cache: ScatterCache | AssembledCache, ids: Sequence[int], start: int, *, kind: str,
-               parent: Any) -> KVBlock:
+               parent: Any, digest: bytes = b"") -> KVBlock:
         end = start + len(ids)
         k = torch.stack([kb[0, :, start:end] for kb in cache.keys]).clone()  # (L, H, n, D)
         v = torch.stack([vb[0, :, start:end] for vb in cache.values]).clone()
@@ -227,12 +263,15 @@ class KVEngine:
         payload = maybe_quantize(DensePayload(k, v), bits, self.config.kv_group_size, start=start,
                                  rotary_emb=rotary)
         return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
-                       parent=parent)
+                       parent=parent, context_digest=digest)
 
     # ------------------------------------------------------------------ prefill
     def _new_cache(self, capacity: int) -> ScatterCache:
         a = self.adapter
         shape = (1, a.num_kv_heads, capacity, a.head_dim)
+        if a.no_reuse:  # HF's own cache holds the KV; a zero-stride view keeps the capacity without the memory
+            one = torch.empty(1, a.num_kv_heads, 1, a.head_dim, dtype=a.dtype, device=a.device).expand(shape)
+            return ScatterCache([one] * a.num_layers, [one] * a.num_layers)
         # empty, not zeros: every slot below `length` is either placed or computed before it is read.
         keys = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
         values = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
@@ -249,7 +288,10 @@ class KVEngine:
         use_lead = self.config.add_special_tokens if add_special_tokens is None else add_special_tokens
         lead = self._lead if use_lead else ()
         with self._tok_lock:
-            return tokenize_segments(self.tokenizer, segments, lead)
+            out = tokenize_segments(self.tokenizer, segments, lead)
+        for seg in out:
+            check_vocab(seg.token_ids, self._vocab)
+        return out
 
     def tokenize_ids(self, prompt: Any, add_special_tokens: bool | None = None) -> list[int]:
         """The token ids the model sees for ``prompt`` (segments concatenated, lead tokens included)."""
@@ -260,6 +302,13 @@ class KVEngine:
         """Fidelity of each repair strategy against a full prefill; see :mod:`kvboost_core.fidelity`."""
         from kvboost_core.fidelity import verify
 
+        if isinstance(prompts, (str, bytes, Segment)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts (each a str, a Segment or a list of them), got "
+                            f"a {type(prompts).__name__}; wrap a single prompt in a list")
+        if isinstance(repairs, str) or not isinstance(repairs, Sequence):
+            raise TypeError(f"repairs must be a list of repair names, got {type(repairs).__name__} {repairs!r}")
+        for r in repairs:
+            validate_repair(r, 0.0)
         return verify(self, prompts, repairs, max_new_tokens, **repair_kw)
 
     def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
@@ -271,9 +320,15 @@ class KVEngine:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
         self._check_context(total)
         chunks = plan_chunks(segs, self._spans)
-        plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
-                      spans_of=self._spans, sink_tokens=self.config.sink_tokens,
-                      allow_approx=self.adapter.rope.rerotatable, allow_repaired=spec.repair != "full" and spec.reuse_repaired)
+        # Repaired (approximate) prefixes are served only where this engine stores them: never by default.
+        allow_repaired = spec.repair != "full" and spec.reuse_repaired and self.config.store_repaired
+        if self.adapter.no_reuse:
+            plan = Plan(token_ids=[t for s in segs for t in s.token_ids], chunks=chunks, status=[FRESH] * total,
+                        misses=total)
+        else:
+            plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
+                          spans_of=self._spans, sink_tokens=self.config.sink_tokens,
+                          allow_approx=self.adapter.rope.rerotatable, allow_repaired=allow_repaired)
         t_lookup = time.perf_counter()
         ctx = self.adapter.max_context or (total + n_new)
         cache = self._new_cache(max(total, min(total + n_new, ctx)))
@@ -298,8 +353,8 @@ class KVEngine:
         stats = self._prefill_stats(plan, final, spec, per_layer)
         stats.update(check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
                      assemble_s=t_place - t_lookup, forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
-        self._counters.add(hits_exact=plan.hits_exact, hits_content=plan.hits_content, misses=plan.misses,
-                           prefills=1)
+        self._counters.add(hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
+                           hits_content=plan.hits_content, misses=plan.misses, prefills=1)
         result = PrefillResult(token_ids=list(plan.token_ids), last_logits=logits,
                                cache=AssembledCache(cache.keys, cache.values, total), stats=stats)
         return result, plan, cache
@@ -312,16 +367,18 @@ class KVEngine:
         total = len(plan.status)
         reused_exact = int(((status == EXACT) & ~in_final).sum())
         reused_approx = int(((status == APPROX) & ~in_final).sum())
+        reused_repaired = int(((status == REPAIRED) & ~in_final).sum())  # an earlier repair's approximation
         computed = int((status == FRESH).sum())
-        recomputed = total - reused_exact - reused_approx - computed
+        recomputed = total - reused_exact - reused_approx - reused_repaired - computed
         return {"prompt_tokens": total, "reused_exact": reused_exact, "reused_approx": reused_approx,
-                "recomputed": recomputed, "computed": computed,
-                "reuse_ratio": (reused_exact + reused_approx) / total, "repair": spec.repair,
+                "reused_repaired": reused_repaired, "recomputed": recomputed, "computed": computed,
+                "reuse_ratio": (reused_exact + reused_approx + reused_repaired) / total, "repair": spec.repair,
                 "recompute_ratio": spec.recompute_ratio, "select": spec.select, "tokens_per_layer": per_layer,
-                "hits_exact": plan.hits_exact, "hits_content": plan.hits_content, "misses": plan.misses}
+                "hits_exact": plan.hits_exact, "hits_repaired": plan.hits_repaired,
+                "hits_content": plan.hits_content, "misses": plan.misses}
 
     def _store_prefix(self, plan: Plan, cache: ScatterCache, spec: RepairSpec, enabled: bool | None) -> None:
-        if not (self.config.store_prefix if enabled is None else enabled):
+        if not (self.config.store_prefix if enabled is None else enabled) or self.adapter.no_reuse:
             return
         # KV is exact up to the first approximate position: a re-placed token that was not recomputed in
         # every layer with an exact context, or a repaired prefix hit. Chunks past it are stored as "repaired".
@@ -330,14 +387,15 @@ class KVEngine:
             first_approx = next((i for i, s in enumerate(plan.status) if s == APPROX), frontier)
             frontier = min(first_approx, frontier if plan.repaired_from is None else plan.repaired_from)
         full_hits = {pl.dst for pl in plan.placements if pl.exact and pl.length == pl.block.num_tokens}
-        for ch, (parent, key) in zip(plan.chunks, chunk_prefix_keys(self.config.namespace, self.fingerprint,
-                                                                     plan.token_ids, plan.chunks)):
+        for ch, (parent, key, digest) in zip(plan.chunks, chunk_prefix_keys(
+                self.config.namespace, self.fingerprint, plan.token_ids, plan.chunks)):
             if ch.end <= plan.exact_len and ch.start in full_hits:
                 continue  # stored already: it was the hit
             kind = "prefix" if ch.end <= frontier else "repaired"
             if kind == "repaired" and not self.config.store_repaired:
                 break
-            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind=kind, parent=parent)
+            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind=kind, parent=parent,
+                                digest=digest)
             self.store.put(key, block)
 
     def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
@@ -352,6 +410,8 @@ class KVEngine:
         t0 = time.perf_counter()
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
                                  query_tokens)
+        validate_flag("add_special_tokens", add_special_tokens)
+        validate_flag("store_prefix", store_prefix)
         result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
         self._store_prefix(plan, cache, spec, store_prefix)
         return result
@@ -362,15 +422,27 @@ class KVEngine:
         """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
         :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
-                          recompute_mass=kw.get("recompute_mass"), query_tokens=kw.get("query_tokens"))
+        self._check_run_kw(kw)
         return GenerationStream(self, prompt, params, kw)
+
+    _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
+               "reuse_repaired", "recompute_mass", "query_tokens")
+
+    def _check_run_kw(self, kw: dict[str, Any]) -> None:
+        unknown = sorted(set(kw) - set(self._RUN_KW))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; accepted: {', '.join(self._RUN_KW)}")
+        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
+                          kw.get("reuse_repaired", True), kw.get("recompute_mass"), kw.get("query_tokens"))
+        validate_flag("add_special_tokens", kw.get("add_special_tokens"))
+        validate_flag("store_prefix", kw.get("store_prefix"))
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationResult:
         holder: dict[str, GenerationResult] = {}
-        for _ in self._run(prompt, SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed),
-                           holder=holder, **kw):
+        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
+        self._check_run_kw(kw)
+        for _ in self._run(prompt, params, holder=holder, **kw):
             pass
         return holder["result"]
 
@@ -436,7 +508,7 @@ class KVEngine:
         c = self._counters.snapshot()
         return {"entries": s.get("entries", 0), "tokens": s.get("tokens", 0), "bytes": s.get("bytes", 0),
                 "evictions": s.get("evictions", 0), "hits_exact": c["hits_exact"],
-                "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
+                "hits_repaired": c["hits_repaired"], "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
                 "warmed_tokens": c["warmed_tokens"], "store": s}
 
     def clear(self) -> None:

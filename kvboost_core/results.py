@@ -59,7 +59,9 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._c = {"hits_exact": 0, "hits_content": 0, "misses": 0, "prefills": 0, "warmed_tokens": 0}
+        # hits_repaired: prefix tokens served from earlier repaired (approximate) prefills, never counted exact
+        self._c = {"hits_exact": 0, "hits_repaired": 0, "hits_content": 0, "misses": 0, "prefills": 0,
+                   "warmed_tokens": 0}
 
     def add(self, **kw: int) -> None:
         with self._lock:

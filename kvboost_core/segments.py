@@ -32,8 +32,10 @@ class Segment:
     def __post_init__(self) -> None:
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("a Segment needs exactly one of text= or token_ids=")
-        if self.text is not None and not isinstance(self.text, str):
-            raise TypeError(f"Segment.text must be a str, got {type(self.text).__name__}")
+        if self.text is not None:
+            if not isinstance(self.text, str):
+                raise TypeError(f"Segment.text must be a str, got {type(self.text).__name__}")
+            check_utf8(self.text, "Segment.text")
         if self.token_ids is not None:
             if isinstance(self.token_ids, (str, bytes)):
                 raise TypeError("Segment.token_ids must be a sequence of ints; pass text= for a string")
@@ -46,6 +48,23 @@ class Segment:
 
 
 Prompt = str | Segment | Sequence[str | Segment]
+
+
+def check_utf8(text: str, name: str) -> None:
+    """A str that cannot be encoded (a lone surrogate, e.g. from a bad decode) is a caller error, raised here
+    rather than as a tokenizer exception deep inside a request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: {e.reason} at index {e.start} "
+                         f"({text[e.start:e.end]!r}); decode your input with errors='replace'") from None
+
+
+def check_vocab(token_ids: Sequence[int], vocab_size: int, name: str = "Segment.token_ids") -> None:
+    """Every id must index the model's embedding table (an out-of-range id fails deep in the model)."""
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary of {vocab_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,5 +149,5 @@ def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[in
     return out
 
 
-__all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text", "lead_token_ids", "normalize_prompt",
-           "tokenize_segments"]
+__all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text", "check_utf8", "check_vocab",
+           "lead_token_ids", "normalize_prompt", "tokenize_segments"]

@@ -40,7 +40,8 @@ class PromptPlan:
 def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[str, int]:
     """Per-prompt document accounting from the engine's counters.
 
-    Exact-prefix positions are [0, hits_exact) and are never recomputed; content hits (re-placed KV) happen
+    Prefix positions are [0, hits_exact + hits_repaired) (repaired: an earlier repaired prefill's KV, served
+    only when the engine stores them) and are never recomputed; content hits (re-placed KV) happen
     only inside cacheable segments, i.e. documents, and ``reused_approx`` of them were not recomputed.
 
     - ``doc_tokens``: prompt tokens attributed to documents.
@@ -49,7 +50,7 @@ def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[
       about ``recompute_ratio`` under CacheBlend).
     - ``doc_tokens_kept``: reused and used as is (``reused - recomputed``): the compute actually saved.
     """
-    exact = int(stats.get("hits_exact", 0))
+    exact = int(stats.get("hits_exact", 0)) + int(stats.get("hits_repaired", 0))
     in_exact = sum(max(0, min(b, exact) - a) for a, b in ranges)
     content = int(stats.get("hits_content", 0))
     kept = int(stats.get("reused_approx", 0))

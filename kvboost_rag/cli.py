@@ -266,8 +266,11 @@ def run_fidelity(args: argparse.Namespace) -> int:
     loaded.engine.warm(docs)
     knobs = {k: v for k, v in (("recompute_ratio", args.recompute_ratio), ("check_layer", args.check_layer))
              if v is not None}
-    rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")), max_new_tokens=args.max_new_tokens,
-                               **knobs)
+    try:  # the engine validates the knobs (e.g. --check-layer against the model's layers)
+        rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")),
+                                   max_new_tokens=args.max_new_tokens, **knobs)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"kvboost-rag fidelity: {e}") from None
     if args.json:
         print(rep.to_json(indent=2))
     else:

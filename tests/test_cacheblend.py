@@ -90,13 +90,27 @@ def test_ratio_one_equals_full_prefill(eng, tiny_llama, select):
     assert (full_logits(tiny_llama, res.token_ids) - res.last_logits).abs().max().item() < 1e-4
 
 
-def test_repaired_prefill_is_stored_as_exact_prefix(eng):
+def test_repaired_prefill_is_not_served_by_default(eng):
     prompt = docs_prompt([CORPUS[6], CORPUS[0]], " Answer:")
     first = eng.prefill(prompt, repair="cacheblend")
     again = eng.prefill(prompt, repair="cacheblend")
-    assert first.stats["reused_exact"] == 0
-    assert again.stats["reused_exact"] >= again.stats["prompt_tokens"] - 1
-    # the repeat gives the repaired answer exactly (same KV, now an exact hit)
+    assert again.stats["reused_repaired"] == 0 and again.stats["reused_approx"] > 0
+    # the repeat repairs again, from the same state: the same answer, bit for bit
+    assert torch.equal(first.last_logits, again.last_logits)
+
+
+def test_repaired_prefill_is_served_as_repaired_when_stored(tiny_llama, tokenizer):
+    e = engine_for(tiny_llama, tokenizer, sink_tokens=2, store_repaired=True)
+    e.warm(CORPUS)
+    prompt = docs_prompt([CORPUS[6], CORPUS[0]], " Answer:")
+    first = e.prefill(prompt, repair="cacheblend")
+    again = e.prefill(prompt, repair="cacheblend")
+    assert first.stats["reused_exact"] == 0 and first.stats["reused_repaired"] == 0
+    # approximate KV reused from the first call: reported as repaired, never as exact
+    assert again.stats["reused_repaired"] >= again.stats["prompt_tokens"] - 1 - again.stats["reused_exact"]
+    assert again.stats["reused_exact"] < again.stats["prompt_tokens"] // 4
+    assert e.stats()["hits_repaired"] == again.stats["hits_repaired"] > 0
+    # the repeat gives the repaired answer (the same KV, served again)
     assert torch.allclose(first.last_logits, again.last_logits, atol=1e-4)
 
 

@@ -212,11 +212,12 @@ def test_query_engine_modes_reuse(llm, index, nodes, mode):
     print(f"\n{mode}: first {[s1[k] for k in KEYS]} second {[s2[k] for k in KEYS]} "
           f"reused {s2['doc_tokens_reused'] / s2['doc_tokens']:.3f} kept {s2['doc_tokens_kept'] / s2['doc_tokens']:.3f}")
     assert s2["doc_tokens_reused"] == s2["doc_tokens"]
-    # compact/tree_summarize: stable order makes the second prompt's documents an exact prefix hit.
-    # refine: its last call puts the query before the context, so the document is re-placed and CacheBlend
-    # recomputes up to recompute_ratio of it.
-    floor = 0.8 if mode == "refine" else 0.9
-    assert s2["doc_tokens_kept"] >= floor * s2["doc_tokens"], (mode, s2)
+    # Every document token is reused and CacheBlend recomputes up to recompute_ratio of them. The first
+    # query's repaired KV is not served to the second (its selection depended on the first question), so
+    # with a stable order the second query's documents cost what the first's did.
+    assert s2["doc_tokens_kept"] >= 0.8 * s2["doc_tokens"], (mode, s2)
+    if mode != "refine":
+        assert [s2[k] for k in KEYS[:4]] == [s1[k] for k in KEYS[:4]]
 
 
 def test_simple_summarize_and_unwarmed_fall_back(model, tokenizer, index, nodes):
@@ -263,7 +264,8 @@ def test_end_to_end_overlapping_queries(model, tokenizer, nodes, index):
 
 
 def test_end_to_end_default_repair_reuse(model, tokenizer, nodes, index):
-    """The same flow under the engine's default repair (cacheblend): the second query reuses >= 90%."""
+    """The same flow under the engine's default repair (cacheblend): the second query reuses every document
+    token and keeps >= 80% unrepaired (recompute_ratio 0.15; the first query's repaired KV is not served)."""
     llm = KVBoostLLM(engine=KVEngine(model, tokenizer), max_new_tokens=N_NEW)
     IngestionPipeline(transformations=[KVWarmer(llm)]).run(nodes=nodes)
     qe = index.as_query_engine(llm=llm, response_mode="compact", similarity_top_k=K,
@@ -275,4 +277,4 @@ def test_end_to_end_default_repair_reuse(model, tokenizer, nodes, index):
     print(f"\ne2e (cacheblend) first {dict((k, s1[k]) for k in KEYS)}\n  second {dict((k, s2[k]) for k in KEYS)}")
     assert s1["doc_tokens_reused"] > 0 and s1["doc_tokens_kept"] > 0
     assert s2["doc_tokens_reused"] >= 0.9 * s2["doc_tokens"], s2
-    assert s2["doc_tokens_kept"] >= 0.9 * s2["doc_tokens"], s2
+    assert s2["doc_tokens_kept"] >= 0.8 * s2["doc_tokens"], s2
