@@ -116,6 +116,12 @@ def build() -> Any:
         raise RuntimeError(reason)
     root = source_dir()
     assert root is not None
+    try:
+        registered = hasattr(torch.ops.kvboost, "blend_select")
+    except Exception:  # noqa: BLE001 - an unknown namespace: nothing registered
+        registered = False
+    if registered:  # loading a second library with the same TORCH_LIBRARY would abort the process
+        raise RuntimeError("the kvboost ops are already registered by another library")
     out = cache_root() / build_key(root, torch.__version__)
     out.mkdir(parents=True, exist_ok=True)
     _ensure_ninja()

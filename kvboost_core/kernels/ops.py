@@ -30,7 +30,9 @@ _jit_tried = False
 def ensure_ext() -> bool:
     """Whether the native kernels are usable, building them once (JIT) when the install skipped them."""
     global _jit_tried
-    if _k.has_ext() or _jit_tried:
+    # _k._ext (not has_ext(), which tests patch to force the fallback): an extension that is loaded must
+    # never be JIT-built again; its ops would be registered twice, which aborts the process.
+    if _k.has_ext() or _jit_tried or _k._ext is not None:
         return _k.has_ext()
     with _jit_lock:
         if _jit_tried:
