@@ -122,12 +122,16 @@ class KVBoostRAG:
     def context_window(self) -> int:
         return int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's rendering of ``messages`` (and of ``tools``, OpenAI-style function schemas,
+        for templates that support them) followed by the assistant's generation prompt."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template or use the "
                              "completion interface (generate/KVBoostLLM) instead")
+        extra = {"tools": tools} if tools else {}
         with self._tok_lock:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **extra))
 
     def chat_add_special_tokens(self, prompt: str) -> bool:
         """Whether to add BOS when tokenizing a rendered chat prompt: not when the template wrote it already

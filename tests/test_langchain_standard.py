@@ -1,7 +1,9 @@
 """LangChain's standard chat-model suites (langchain-tests) against ChatKVBoost on a tiny random Llama.
 
-Tool calling and structured output are declared unsupported (has_tool_calling / has_structured_output =
-False): a local completion model has no tool-call parser, so those suites skip themselves."""
+Tool calling: the unit suite checks bind_tools with every tool form (has_tool_calling=True); the integration
+suite keeps it off because a random-weight model never writes a tool call (the parsing and template round
+trip are tested with scripted replies in test_langchain_tools.py). Structured output needs constrained
+decoding, not implemented: has_structured_output=False."""
 
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ class _Params:
 
 
 class TestChatKVBoostUnit(_Params, ChatModelUnitTests):
-    pass
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
 
 
 class TestChatKVBoostIntegration(_Params, ChatModelIntegrationTests):
