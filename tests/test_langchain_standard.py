@@ -2,8 +2,9 @@
 
 Tool calling: the unit suite checks bind_tools with every tool form (has_tool_calling=True); the integration
 suite keeps it off because a random-weight model never writes a tool call (the parsing and template round
-trip are tested with scripted replies in test_langchain_tools.py). Structured output needs constrained
-decoding, not implemented: has_structured_output=False."""
+trip are tested with scripted replies in test_langchain_tools.py). Structured output is on for the unit
+suite; the integration suite's structured tests use function calling, which a random model cannot do
+(json_schema/json_mode constrained decoding is tested in test_langchain_structured.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ class TestChatKVBoostUnit(_Params, ChatModelUnitTests):
     @property
     def has_tool_calling(self) -> bool:
         return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True  # with_structured_output(json_schema|json_mode): constrained decoding (llguidance)
 
 
 class TestChatKVBoostIntegration(_Params, ChatModelIntegrationTests):

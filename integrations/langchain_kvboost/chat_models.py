@@ -35,6 +35,7 @@ from pydantic import Field
 from kvboost_core.results import GenerationResult
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 from langchain_kvboost.llms import _info
+from langchain_kvboost.structured import METHODS, response_format, structured_runnable
 from langchain_kvboost.tools import format_tools, message_dict, parse_tool_calls, tool_choice_names
 
 _ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system",
@@ -109,11 +110,41 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
+    def with_structured_output(self, schema: Any = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None, **kwargs: Any) -> Runnable:
+        """Replies parsed into ``schema`` (a pydantic class, TypedDict, OpenAI function or JSON schema).
+
+        ``json_schema`` (default) and ``json_mode`` enforce the JSON by constrained decoding (llguidance;
+        ``json_mode`` without a schema allows any JSON object), so the reply parses unless the token budget
+        runs out. ``function_calling`` goes through ``bind_tools`` and is not constrained."""
+        if kwargs:
+            raise TypeError(f"with_structured_output got unexpected keyword argument(s) {sorted(kwargs)}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        fmt = response_format(schema, method)
+        llm = self.bind(response_format=fmt, ls_structured_output_format={
+            "kwargs": {"method": method, "strict": strict}, "schema": fmt["schema"]})
+        return structured_runnable(llm, schema, include_raw)
+
+    def _structured(self, prompt: str, opts: dict[str, Any], fmt: dict[str, Any]) -> AIMessage:
+        from kvboost_rag.constrained import generate_json
+
+        res = generate_json(self.rag, prompt, fmt.get("schema"), max_new_tokens=opts["max_new_tokens"],
+                            temperature=opts["temperature"], top_p=opts["top_p"], seed=opts["seed"],
+                            add_special_tokens=opts["add_special_tokens"])
+        n_in, n_out = len(res.prompt_token_ids), len(res.token_ids)
+        return AIMessage(content=res.text, usage_metadata=UsageMetadata(
+            input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
+            response_metadata=self._metadata(res.stats))
+
     # ------------------------------------------------------------------ calls
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], str | None]:
         """(prompt, engine options, the forced start of the reply when tool_choice forces a call)."""
         kwargs = dict(kwargs)
+        kwargs.pop("response_format", None)  # read by the callers (_generate/_stream)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         if tools is not None:
@@ -150,6 +181,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):
+            return ChatResult(generations=[ChatGeneration(message=self._structured(prompt, opts,
+                                                                                   kwargs["response_format"]))])
         result = self.rag.generate(prompt, **opts)
         # The call's own result and stats (not last_stats): several calls may run at once (abatch).
         message = self._message(result.text, tool_start, result, result.stats)
@@ -179,6 +213,12 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):  # constrained JSON: one chunk
+            msg = self._structured(prompt, opts, kwargs["response_format"])
+            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
+                                                             response_metadata=msg.response_metadata,
+                                                             chunk_position="last"))
+            return
         if tool_start is not None:  # tool calls are parsed from the whole reply: one chunk
             yield self._tool_chunk(self.rag.generate(prompt, **opts), tool_start)
             return
@@ -194,6 +234,12 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):
+            msg = await run_in_executor(None, self._structured, prompt, opts, kwargs["response_format"])
+            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
+                                                             response_metadata=msg.response_metadata,
+                                                             chunk_position="last"))
+            return
         if tool_start is not None:
             result = await run_in_executor(None, self.rag.generate, prompt, **opts)
             yield self._tool_chunk(result, tool_start)
