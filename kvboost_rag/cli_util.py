@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 REPAIRS = ("none", "selective", "cacheblend", "full")  # kvboost_core.config.REPAIRS, without importing it
 
@@ -140,14 +140,3 @@ def run_guarded(fn: Callable[[], int], *, debug: bool, prog: str = "kvboost-rag"
         print(f"{prog}: internal error: {type(exc).__name__}: {_first_line(exc)} (rerun with --debug for the "
               "traceback)", file=sys.stderr)
         return 1
-
-
-def add_common(sp: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """Options every model-loading subcommand takes."""
-    sp.add_argument("--threads", type=positive_int, default=None,
-                    help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
-    sp.set_defaults(**defaults)
-
-
-def argv_or_sys(argv: Sequence[str] | None) -> list[str]:
-    return list(sys.argv[1:] if argv is None else argv)

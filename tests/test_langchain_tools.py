@@ -4,6 +4,8 @@ random tiny model writes no tool calls)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 pytest.importorskip("langchain_core")
@@ -37,7 +39,8 @@ def get_weather(city: str) -> str:
 
 @pytest.fixture
 def chat():
-    model, tok = tiny_model_and_tokenizer()
+    model, shared = tiny_model_and_tokenizer()
+    tok = copy.deepcopy(shared)  # the tiny tokenizer may be shared (cached): keep its template intact
     tok.chat_template = TOOL_TEMPLATE
     return ChatKVBoost(engine=KVEngine(model, tok), max_tokens=4)
 
