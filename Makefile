@@ -3,21 +3,28 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-EXTRAS := langchain,llamaindex,redis,dev
+EXTRAS := langchain,llamaindex,redis,structured,dev
 
 .PHONY: install test demo lint bench fidelity redis-server clean
 
 include csrc/Makefile.inc
 
+# Stamp of a completed install: `make demo`/`make test` reuse the venv until the packaging files change (or
+# the venv is removed). A clean clone has no venv, so CI always installs from scratch.
+STAMP := $(VENV)/.kvboost-installed
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned: a bare or open-ended torch requirement would pull a multi-GB CUDA wheel.
-install: $(BIN)/python
+$(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PIN)
 	# no build isolation: the optional C++ extension builds against the torch installed above
 	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
 
 # The shared-tier tests need a real redis-server binary (Debian package); skip the install where it exists.
 redis-server:
@@ -45,4 +52,4 @@ fidelity: install
 	$(BIN)/python -m kvboost_rag.cli fidelity
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache  # the install stamp lives in the venv and goes with it

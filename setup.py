@@ -1,7 +1,9 @@
 """Build of the optional native kernels (``kvboost_core._C``); metadata lives in pyproject.toml.
 
-The extension is optional: without a compiler, without torch at build time, with ``KVBOOST_NO_EXT=1``, or
-when the compile fails, the package installs as pure Python and kvboost_core.kernels falls back to torch.
+The extension is optional: without a compiler, without torch at build time (pip's default isolated build),
+with ``KVBOOST_NO_EXT=1``, or when the compile fails, the package installs without it. The C++ sources are
+always shipped (as ``kvboost_core/_csrc``), so the first kernel call builds them against the installed torch
+(kvboost_core/kernels/jit.py) and only falls back to the torch reference, with a warning, when that fails.
 ``KVBOOST_CUDA=1`` adds the CUDA kernels (needs nvcc / CUDA_HOME and a CUDA build of torch).
 ``KVBOOST_PORTABLE=1`` skips the -mavx2/-mf16c flags added when the build machine supports them.
 """
@@ -9,27 +11,45 @@ when the compile fails, the package installs as pure Python and kvboost_core.ker
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
-import platform
+import shutil
 import sys
+from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+_ROOT = Path(__file__).resolve().parent
+
+
+def _jit_module():
+    """kvboost_core/kernels/jit.py loaded by path (stdlib only): one definition of the compiler flags for the
+    install-time build and the first-use (JIT) build."""
+    spec = importlib.util.spec_from_file_location("_kvboost_jit", _ROOT / "kvboost_core" / "kernels" / "jit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cpu_flags() -> list[str]:
-    # -ffp-contract=off: the kernels must reproduce torch's separate multiply and add bit for bit.
-    # -fopenmp: at::parallel_for is header code that expands to `#pragma omp parallel` in our own objects;
-    # without it every kernel runs on one thread. -g0: debug info triples the build time.
-    flags = ["-O3", "-g0", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
-    if os.environ.get("KVBOOST_PORTABLE") != "1" and platform.machine() in ("x86_64", "AMD64"):
-        try:
-            with open("/proc/cpuinfo") as f:
-                info = f.read()
-            if " avx2" in info and " f16c" in info:
-                flags += ["-mavx2", "-mf16c"]
-        except OSError:
-            pass
-    return flags
+    return list(_jit_module().cpu_flags())
+
+
+class BuildPyWithSources(build_py):
+    """Copy the C++ sources into the package (kvboost_core/_csrc) so an install without the compiled
+    extension can still build it on first use."""
+
+    def run(self) -> None:
+        super().run()
+        dst = Path(self.build_lib) / "kvboost_core" / "_csrc"
+        if dst.exists():
+            shutil.rmtree(dst)
+        for src in [*glob.glob("csrc/*.h"), *glob.glob("csrc/*.cpp"), *glob.glob("csrc/cpu/*")]:
+            target = dst / Path(src).relative_to("csrc")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
 
 
 def _want_cuda() -> bool:
@@ -48,8 +68,9 @@ def _extensions() -> tuple[list, dict]:
         return [], {}
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-    except Exception as e:  # no torch in the build environment (isolated build): pure Python
-        print(f"kvboost: building without native kernels ({e})", file=sys.stderr)
+    except Exception as e:  # no torch in the build environment (isolated build): built on first use instead
+        print(f"kvboost: native kernels not built now ({e}); they are built on first use against the "
+              "installed torch (or install with --no-build-isolation to build them now)", file=sys.stderr)
         return [], {}
     sources = sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/bindings.cpp"]
     cxx = _cpu_flags()
@@ -82,4 +103,4 @@ def _extensions() -> tuple[list, dict]:
 
 
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass={"build_py": BuildPyWithSources, **cmdclass})

@@ -1,6 +1,36 @@
-"""kvboost_core: position-independent KV cache reuse for HuggingFace RoPE decoder models."""
+"""kvboost_core: position-independent KV cache reuse for HuggingFace RoPE decoder models.
+
+``from kvboost_core import KVEngine`` works; the engine (and with it torch and transformers) is imported on
+first use of the name, so ``import kvboost_core`` stays light (PEP 562 module ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvboost_core.config import EngineConfig
 from kvboost_core.segments import Segment
 
-__all__ = ["EngineConfig", "Segment"]
+_LAZY = {"KVEngine": "kvboost_core.engine", "GenerationResult": "kvboost_core.results",
+         "WarmResult": "kvboost_core.results"}
+
+if TYPE_CHECKING:
+    from kvboost_core.engine import KVEngine
+    from kvboost_core.results import GenerationResult, WarmResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvboost_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["EngineConfig", "GenerationResult", "KVEngine", "Segment", "WarmResult"]

@@ -1,13 +1,42 @@
 """kvboost_rag: document warming and KV reuse for RAG chains on top of kvboost_core.
 
 Importing this package never imports LangChain or LlamaIndex; their integrations live in
-``langchain_kvboost`` and ``llama_index.llms.kvboost``.
+``langchain_kvboost`` and ``llama_index.llms.kvboost``. It does not import torch either until a name that
+needs the engine is used (``KVBoostRAG`` ...): the CLI's ``--help`` stays fast.
 """
 
-from kvboost_rag.adapter import KVBoostRAG, PromptPlan, doc_stats
-from kvboost_rag.documents import document_text, document_texts
-from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, doc_key
-from kvboost_rag.warming import WarmReport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> module that defines it; resolved on first attribute access (PEP 562)
+_EXPORTS = {
+    "KVBoostRAG": "kvboost_rag.adapter", "PromptPlan": "kvboost_rag.adapter", "doc_stats": "kvboost_rag.adapter",
+    "document_text": "kvboost_rag.documents", "document_texts": "kvboost_rag.documents",
+    "DocumentRegistry": "kvboost_rag.registry", "RegisteredDoc": "kvboost_rag.registry",
+    "doc_key": "kvboost_rag.registry", "WarmReport": "kvboost_rag.warming",
+}
+
+if TYPE_CHECKING:
+    from kvboost_rag.adapter import KVBoostRAG, PromptPlan, doc_stats
+    from kvboost_rag.documents import document_text, document_texts
+    from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, doc_key
+    from kvboost_rag.warming import WarmReport
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvboost_rag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = ["DocumentRegistry", "KVBoostRAG", "PromptPlan", "RegisteredDoc", "WarmReport", "doc_key", "doc_stats",
            "document_text", "document_texts"]

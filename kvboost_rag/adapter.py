@@ -8,6 +8,10 @@ Two ways to tell the engine where documents are:
   the KV comes from does.
 - explicit: ``kv_documents=[...]`` gives the documents; they are laid out in a stable order with exact
   boundaries, each its own cacheable segment, followed by the prompt.
+
+Misses are never silent: retrieved documents in a prompt that were not warmed (see :mod:`kvboost_rag.misses`
+for what is detectable) are counted in ``last_stats["documents_not_warmed"]``, logged (rate-limited), and
+with ``auto_warm=True`` warmed after the call so the next query reuses them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvboost_core.results import GenerationResult
 from kvboost_core.segments import lead_token_ids
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
+from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
 from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, assemble, doc_key
 from kvboost_rag.warming import WarmReport, warm_documents
 
@@ -35,6 +40,7 @@ class PromptPlan:
     mode: str  # "transparent", "explicit" or "plain"
     documents: int = 0  # documents found (transparent) or given (explicit)
     extra: dict[str, Any] = field(default_factory=dict)
+    unwarmed: list[str] = field(default_factory=list)  # retrieved/given documents in the prompt not warmed
 
 
 def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[str, int]:
@@ -62,7 +68,7 @@ class KVBoostRAG:
     """Document warming, transparent/explicit document reuse and generation over one ``KVEngine``."""
 
     def __init__(self, engine: KVEngine, *, transparent: bool = True, preserve_order: bool = False,
-                 separator: str = "\n\n") -> None:
+                 separator: str = "\n\n", auto_warm: bool = False, miss_warning_interval_s: float = 60.0) -> None:
         if not isinstance(engine, KVEngine):
             raise TypeError(f"engine must be a kvboost_core KVEngine, got {type(engine).__name__}; build one "
                             "with KVEngine(model, tokenizer) or use KVBoostRAG.from_model_id(...)")
@@ -71,6 +77,8 @@ class KVBoostRAG:
         self.transparent = bool(transparent)
         self.preserve_order = bool(preserve_order)
         self.separator = separator
+        self.auto_warm = bool(auto_warm)
+        self._miss_warning = MissWarning(miss_warning_interval_s)
         self.registry = DocumentRegistry()
         self.last_stats: dict[str, Any] = {}
         self.last_result: GenerationResult | None = None
@@ -81,11 +89,11 @@ class KVBoostRAG:
 
     @classmethod
     def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
-                      transparent: bool = True, preserve_order: bool = False,
+                      transparent: bool = True, preserve_order: bool = False, auto_warm: bool = False,
                       **engine_kwargs: Any) -> KVBoostRAG:
         """Load a HuggingFace causal LM (a hub id or a local path) and wrap it."""
         engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, **engine_kwargs)
-        return cls(engine, transparent=transparent, preserve_order=preserve_order)
+        return cls(engine, transparent=transparent, preserve_order=preserve_order, auto_warm=auto_warm)
 
     # ------------------------------------------------------------------ tokenizer
     def _tokenize(self, text: str, add_special_tokens: bool, offsets: bool
@@ -116,12 +124,16 @@ class KVBoostRAG:
     def context_window(self) -> int:
         return int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's rendering of ``messages`` (and of ``tools``, OpenAI-style function schemas,
+        for templates that support them) followed by the assistant's generation prompt."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template or use the "
                              "completion interface (generate/KVBoostLLM) instead")
+        extra = {"tools": tools} if tools else {}
         with self._tok_lock:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **extra))
 
     def chat_add_special_tokens(self, prompt: str) -> bool:
         """Whether to add BOS when tokenizing a rendered chat prompt: not when the template wrote it already
@@ -130,10 +142,18 @@ class KVBoostRAG:
         return not (isinstance(bos, str) and bos and prompt.startswith(bos))
 
     # ------------------------------------------------------------------ warming
-    def warm_documents(self, docs: Any, *, batch_size: int = 8, progress: bool = True) -> WarmReport:
-        """Warm and register strs, LangChain Documents or LlamaIndex nodes. Idempotent."""
+    def warm_documents(self, docs: Any, *, batch_size: int = 8, show_progress: bool | None = None,
+                       progress: bool | None = None) -> WarmReport:
+        """Warm and register strs, LangChain Documents or LlamaIndex nodes. Idempotent.
+
+        ``show_progress``: None (default) shows a bar on a terminal and nothing otherwise; ``progress`` is
+        the older name of the same option."""
         return warm_documents(self.engine, self.registry, self._encode_doc, docs, batch_size=batch_size,
-                              progress=progress)
+                              show_progress=show_progress, progress=progress)
+
+    def is_warm(self, text: str) -> bool:
+        """Whether ``text`` (a rendered document) was warmed through this adapter."""
+        return self.registry.by_text(text) is not None
 
     # ------------------------------------------------------------------ prompt planning
     def _special(self, add_special_tokens: bool | None) -> bool:
@@ -152,26 +172,31 @@ class KVBoostRAG:
 
     def _plan_explicit(self, prompt: str, kv_documents: Any, special: bool) -> PromptPlan:
         docs: list[RegisteredDoc] = []
+        unwarmed: list[str] = []
         for text in document_texts(kv_documents):
             reg = self.registry.by_text(text)
+            if reg is None and text:
+                unwarmed.append(text)
             # A document never warmed still gets exact boundaries; its KV is simply computed this time.
             docs.append(reg if reg is not None else RegisteredDoc(doc_key(text), text, tuple(self._encode(text)),
                                                                    None))
         asm = assemble(docs, prompt, self._encode, lead=self._lead if special else (),
                        separator=self.separator, preserve_order=self.preserve_order)
-        return PromptPlan(asm.segments, asm.doc_ranges, "explicit", documents=len(asm.doc_ranges))
+        return PromptPlan(asm.segments, asm.doc_ranges, "explicit", documents=len(asm.doc_ranges),
+                          unwarmed=list(dict.fromkeys(unwarmed)))
 
     def _plan_transparent(self, prompt: str, special: bool) -> PromptPlan:
         use = self.transparent and self._offsets and len(self.registry) > 0
         ids, offsets = self._tokenize(prompt, special, use)
         if not ids:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
+        unwarmed = unwarmed_in_prompt(prompt, self.is_warm) if self.transparent else []
         if not use or offsets is None:
-            return PromptPlan([Segment(token_ids=ids)], [], "plain")
+            return PromptPlan([Segment(token_ids=ids)], [], "plain", unwarmed=unwarmed)
         matches = self.registry.index.find(prompt)
         aligned = align(ids, offsets, matches, self.registry.sources([m.key for m in matches]))
         return PromptPlan(aligned.segments, aligned.doc_ranges, "transparent", documents=len(aligned.doc_ranges),
-                          extra={"confirmations": self.registry.index.last_confirmations})
+                          extra={"confirmations": self.registry.index.last_confirmations}, unwarmed=unwarmed)
 
     # ------------------------------------------------------------------ generation
     def _record(self, result: GenerationResult, plan: PromptPlan, plan_s: float) -> dict[str, Any]:
@@ -181,10 +206,22 @@ class KVBoostRAG:
         stats["ttft_s"] = result.ttft_s + plan_s
         stats["plan_s"] = plan_s
         stats.update(doc_stats(plan.doc_ranges, stats))
-        stats.update(mode=plan.mode, documents=plan.documents, output_tokens=len(result.token_ids), **plan.extra)
+        stats.update(mode=plan.mode, documents=plan.documents, output_tokens=len(result.token_ids),
+                     documents_not_warmed=len(plan.unwarmed), **plan.extra)
         self.last_stats = dict(stats)
         self.last_result = result
+        self._after_call(plan)
         return stats
+
+    def _after_call(self, plan: PromptPlan) -> None:
+        """Say so when documents missed; with ``auto_warm`` warm them so the next prompt reuses them."""
+        if not plan.unwarmed:
+            return
+        # explicit: ``documents`` counts every given document; transparent: only the warmed ones found
+        total = plan.documents if plan.mode == "explicit" else plan.documents + len(plan.unwarmed)
+        self._miss_warning.report(len(plan.unwarmed), total, auto_warm=self.auto_warm)
+        if self.auto_warm:
+            self.warm_documents(plan.unwarmed, show_progress=False)
 
     def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,

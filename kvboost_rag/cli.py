@@ -1,13 +1,17 @@
 """The ``kvboost-rag`` command line: demo, warm, fidelity, calibrate and bench.
 
     kvboost-rag demo [--model M] [--questions N] [--top-k K]
-    kvboost-rag warm --model M --docs DIR|FILE.jsonl --store disk:/path
+    kvboost-rag warm --model M --docs DIR|FILE.jsonl --store disk:/path [--store redis://...] [--allow-degraded]
     kvboost-rag fidelity [--model M] [--json] [--recompute-ratio R] [--check-layer C]
     kvboost-rag calibrate [--model M] [--max-kl X] [--write]   (the cheapest CacheBlend setting meeting X)
     kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.bench)
 
 ``--model`` defaults to the embedded demo model (kvboost_rag/assets/demo_model) everywhere; the demo falls back
 to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
+
+A mistake in the arguments or inputs prints one ``kvboost-rag: error: ...`` line and exits 2; ``--debug``
+shows the traceback instead. Nothing heavy (torch, transformers) is imported before a command runs, so
+``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from kvboost_rag import demo_data as dd
+from kvboost_rag.cli_util import (
+    REPAIRS,
+    STORE_FORMS,
+    Parser,
+    UserError,
+    fidelity_table,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    ratio,
+    repairs_list,
+    run_guarded,
+    store_spec,
+)
+from kvboost_rag.cli_warm import read_documents, run_warm
 
 DEMO = "demo"  # --model value meaning "the embedded demo model"
 
@@ -58,7 +77,17 @@ def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Lo
         return Loaded(KVEngine(m, tok, **engine_kw), "kvboost-tiny-random", None)
     target = str(dd.DEMO_MODEL_DIR) if model == DEMO else model
     label = "kvboost demo model" if model == DEMO else model
-    return Loaded(KVEngine.from_pretrained(target, **engine_kw), label, _model_dir(model))
+    if model != DEMO and (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).is_dir():
+        raise UserError(f"--model {model}: no such model directory")
+    from kvboost_core.config import EngineConfig
+
+    EngineConfig(**engine_kw)  # a bad engine option is reported as itself, not as a model that fails to load
+    try:
+        engine = KVEngine.from_pretrained(target, **engine_kw)
+    except (OSError, ValueError) as exc:  # HF's loaders: a missing/partial directory, an unknown hub id
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--model {model}: cannot load it as a HuggingFace causal LM ({first})") from exc
+    return Loaded(engine, label, _model_dir(model))
 
 
 def set_threads(threads: int | None, model: str) -> None:
@@ -200,36 +229,7 @@ def _print_summary(rows: Sequence[DemoRow], seconds: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- warm
-def read_documents(src: Path) -> list[str]:
-    """Texts of ``*.txt`` files in a directory (sorted by name), or the "text" field of each jsonl line."""
-    if src.is_dir():
-        files = sorted(src.glob("*.txt"))
-        if not files:
-            raise SystemExit(f"no .txt files in {src}")
-        return [f.read_text(encoding="utf-8") for f in files]
-    if src.suffix == ".jsonl" and src.is_file():
-        texts = []
-        for n, row in enumerate(dd.read_jsonl(src), 1):
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise SystemExit(f"{src}: line {n} has no string 'text' field")
-            texts.append(row["text"])
-        return texts
-    raise SystemExit(f"--docs must be a directory of .txt files or a .jsonl file, got {src}")
-
-
-def run_warm(args: argparse.Namespace) -> int:
-    from kvboost_rag import KVBoostRAG
-
-    texts = read_documents(Path(args.docs))
-    loaded = load_engine(args.model, store=args.store, chunk_size=args.chunk_size)
-    rag = KVBoostRAG(loaded.engine)
-    rep = rag.warm_documents(texts, batch_size=args.batch_size, progress=not args.no_progress)
-    stats = loaded.engine.stats()
-    print(f"documents {rep.documents}: warmed {rep.warmed}, already warm {rep.already_warm}; "
-          f"tokens {rep.tokens}; bytes added {rep.bytes} ({rep.bytes / 2**20:.2f} MiB); "
-          f"{rep.seconds:.2f} s")
-    print(f"store {args.store}: {stats['entries']} entries, {stats['bytes']} bytes")
-    return 0
+# read_documents and run_warm live in kvboost_rag.cli_warm (imported above; read_documents is re-exported).
 
 
 # ---------------------------------------------------------------------------------------------- fidelity
@@ -266,16 +266,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
     loaded.engine.warm(docs)
     knobs = {k: v for k, v in (("recompute_ratio", args.recompute_ratio), ("check_layer", args.check_layer))
              if v is not None}
-    try:  # the engine validates the knobs (e.g. --check-layer against the model's layers)
-        rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs.split(",")),
-                                   max_new_tokens=args.max_new_tokens, **knobs)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"kvboost-rag fidelity: {e}") from None
+    rep = loaded.engine.verify(prompts, repairs=tuple(args.repairs), max_new_tokens=args.max_new_tokens, **knobs)
     if args.json:
         print(rep.to_json(indent=2))
     else:
         print(f"fidelity of {loaded.label}: {len(prompts)} prompts of reordered warmed documents vs full prefill")
-        print(rep.table())
+        print(fidelity_table(rep.summary()))
     return 0
 
 
@@ -312,71 +308,93 @@ def run_bench(rest: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parser
+_MODEL_HELP = "HF model directory or hub id (default: the embedded demo model)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvboost-rag", description="KV cache reuse for RAG on local HF models.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="kvboost-rag", description="KV cache reuse for RAG on local HF models.",
+               epilog="Errors print one line; add --debug (anywhere) for the full traceback.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench}",
+                           parser_class=Parser)
 
     d = sub.add_parser("demo", help="LangChain RAG over the bundled corpus: answers, TTFT with reuse vs full")
-    d.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
-    d.add_argument("--questions", type=int, default=6, help="held-out questions to ask (default 6)")
-    d.add_argument("--top-k", type=int, default=4, help="documents retrieved per question (default 4)")
-    d.add_argument("--max-new-tokens", type=int, default=12)
+    d.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    d.add_argument("--questions", type=positive_int, default=6, help="held-out questions to ask (default 6)")
+    d.add_argument("--top-k", type=positive_int, default=4, help="documents retrieved per question (default 4)")
+    d.add_argument("--max-new-tokens", type=positive_int, default=12, help="tokens generated per answer "
+                                                                          "(default 12)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar while warming")
 
-    w = sub.add_parser("warm", help="warm documents into a KV store")
-    w.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
+    w = sub.add_parser("warm", help="warm documents into a KV store (memory, disk and/or Redis tiers)")
+    w.add_argument("--model", default=DEMO, help=_MODEL_HELP)
     w.add_argument("--docs", required=True, help="a directory of .txt files or a .jsonl file with a 'text' field")
-    w.add_argument("--store", required=True, help="store spec, e.g. disk:/path, memory or redis://host:6379/0")
-    w.add_argument("--chunk-size", type=int, default=128)
-    w.add_argument("--batch-size", type=int, default=8)
-    w.add_argument("--no-progress", action="store_true")
+    w.add_argument("--store", required=True, action="append", type=store_spec, metavar="SPEC",
+                   help=f"a store tier: {STORE_FORMS}; repeat for several tiers (a memory tier is always first)")
+    w.add_argument("--chunk-size", type=positive_int, default=128, help="tokens per cached chunk (default 128)")
+    w.add_argument("--batch-size", type=positive_int, default=8, help="documents warmed per batch (default 8)")
+    w.add_argument("--allow-degraded", action="store_true",
+                   help="succeed even when a configured tier (e.g. Redis) is unavailable; by default that "
+                        "exits with status 1")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
 
     f = sub.add_parser("fidelity", help="reuse strategies vs full prefill on reordered documents")
-    f.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
-    f.add_argument("--prompts", type=int, default=12)
-    f.add_argument("--repairs", default="none,selective,cacheblend", help="comma-separated repair modes")
-    f.add_argument("--max-new-tokens", type=int, default=8)
-    f.add_argument("--recompute-ratio", type=float, default=None, help="CacheBlend ratio (default: the engine's)")
-    f.add_argument("--check-layer", type=int, default=None, help="CacheBlend check layer (default: the engine's)")
+    f.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    f.add_argument("--prompts", type=positive_int, default=12, help="prompts to compare (default 12)")
+    f.add_argument("--repairs", type=repairs_list, default=repairs_list("none,selective,cacheblend"),
+                   metavar="LIST", help=f"comma-separated repair modes from {{{','.join(REPAIRS)}}} "
+                                        "(default none,selective,cacheblend)")
+    f.add_argument("--max-new-tokens", type=positive_int, default=8,
+                   help="greedy tokens compared per prompt (default 8)")
+    f.add_argument("--recompute-ratio", type=ratio, default=None,
+                   help="CacheBlend recompute ratio in [0, 1] (default: the engine's)")
+    f.add_argument("--check-layer", type=nonnegative_int, default=None,
+                   help="CacheBlend check layer (default: the engine's)")
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
     c = sub.add_parser("calibrate", help="the cheapest CacheBlend setting meeting a KL target, for this model")
-    c.add_argument("--model", default=DEMO, help="HF model path or id (default: the embedded demo model)")
-    c.add_argument("--prompts", type=int, default=20)
-    c.add_argument("--max-kl", type=float, default=0.05, help="mean KL against full prefill to meet")
-    c.add_argument("--min-top1", type=float, default=0.95, help="top-1 agreement with full prefill to meet")
+    c.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    c.add_argument("--prompts", type=positive_int, default=20, help="prompts to calibrate on (default 20)")
+    c.add_argument("--max-kl", type=nonnegative_float, default=0.05,
+                   help="mean KL against full prefill to meet (default 0.05)")
+    c.add_argument("--min-top1", type=ratio, default=0.95,
+                   help="top-1 agreement with full prefill to meet, in [0, 1] (default 0.95)")
     c.add_argument("--write", action="store_true", help="save the result as kvboost.json beside the weights "
                                                         "(KVEngine.from_pretrained then uses it by default)")
 
     for sp in (d, w, f, c):
-        sp.add_argument("--threads", type=int, default=None,
+        sp.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
 
-    sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench; bench --help)",
+                   add_help=False)
     return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    set_threads(args.threads, args.model)
+    if args.command == "demo":
+        return run_demo(args)
+    if args.command == "warm":
+        return run_warm(args, load_engine)
+    if args.command == "fidelity":
+        return run_fidelity(args)
+    if args.command == "calibrate":
+        return run_calibrate(args)
+    raise UserError(f"unknown command {args.command!r}")  # argparse rejects these first
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return run_bench(argv[1:])  # bench owns its own parser
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]  # accepted anywhere on the line
     args = build_parser().parse_args(argv)
-    set_threads(args.threads, args.model)
-    if args.command == "demo":
-        if args.questions < 1 or args.top_k < 1:
-            raise SystemExit("--questions and --top-k must be >= 1")
-        return run_demo(args)
-    if args.command == "warm":
-        return run_warm(args)
-    if args.command == "fidelity":
-        if args.prompts < 1:
-            raise SystemExit("--prompts must be >= 1")
-        return run_fidelity(args)
-    if args.command == "calibrate":
-        if args.prompts < 1:
-            raise SystemExit("--prompts must be >= 1")
-        return run_calibrate(args)
-    raise SystemExit(f"unknown command {args.command!r}")  # argparse rejects these first
+    return run_guarded(lambda: _run(args), debug=debug)
+
+
+__all__ = ["build_parser", "load_engine", "main", "read_documents"]
 
 
 if __name__ == "__main__":

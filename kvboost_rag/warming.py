@@ -30,27 +30,43 @@ def _batches(items: list[str], size: int) -> Iterable[list[str]]:
         yield items[i:i + size]
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
+def resolve_progress(show_progress: bool | None, progress: bool | None = None) -> bool | None:
+    """One progress option from the new name and the old one (``progress=``, kept as an alias).
+
+    None means "auto": a bar on a terminal, nothing when stderr is not a TTY (logs, CI, notebooks' captured
+    output)."""
+    if show_progress is not None and progress is not None and bool(show_progress) != bool(progress):
+        raise TypeError(f"show_progress={show_progress!r} and progress={progress!r} disagree; progress is the "
+                        "old name of show_progress: pass one")
+    value = show_progress if show_progress is not None else progress
+    return None if value is None else bool(value)
+
+
+def _progress(total: int, show: bool | None) -> Any:
+    if show is False:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="kvboost warm", unit="doc")
+    # disable=None is tqdm's own "not a TTY -> off"; disable=False forces the bar on.
+    return tqdm(total=total, desc="kvboost warm", unit="doc", disable=None if show is None else False)
 
 
 def warm_documents(engine: Any, registry: DocumentRegistry, encode: Encoder, docs: Any, *,
-                   batch_size: int = 8, progress: bool = True) -> WarmReport:
+                   batch_size: int = 8, show_progress: bool | None = None,
+                   progress: bool | None = None) -> WarmReport:
     """Warm ``docs`` (strs, LangChain Documents, LlamaIndex nodes) in batches and register them.
 
     Idempotent: a registered document is passed to the engine as its known ids (no re-tokenization) and the
-    engine answers from the store with a lookup; one evicted since is simply computed again."""
+    engine answers from the store with a lookup; one evicted since is simply computed again.
+    ``show_progress`` (alias ``progress``): None shows a bar only on a terminal; True/False force it."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    show = resolve_progress(show_progress, progress)
     t0 = time.perf_counter()
     texts = document_texts(docs)
     unique = [t for t in dict.fromkeys(texts) if t]  # one warm per distinct non-empty text
     warmed = already = tokens = nbytes = 0
-    bar = _progress(len(unique), progress)
+    bar = _progress(len(unique), show)
     try:
         for batch in _batches(unique, batch_size):
             known: list[RegisteredDoc | None] = [registry.by_text(t) for t in batch]

@@ -68,8 +68,13 @@ def test_warm_to_disk_store(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "documents 3: warmed 3" in out
     assert any(store.rglob("*")), "the disk store wrote nothing"
+    disk_line = next(line for line in out.splitlines() if line.startswith("store disk"))
+    assert " 0 entries" not in disk_line and "DEGRADED" not in disk_line
     assert cli.main(args) == 0  # a second process finds the documents in the disk store
-    assert "warmed 0, already warm 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warmed 0, already warm 3" in out
+    # the disk tier reports its own entries (it used to print the empty memory tier's "0 entries")
+    assert next(line for line in out.splitlines() if line.startswith("store disk")) == disk_line
 
 
 def test_warm_reads_jsonl_and_rejects_bad_input(tiny_dir, tmp_path, capsys):
@@ -80,8 +85,9 @@ def test_warm_reads_jsonl_and_rejects_bad_input(tiny_dir, tmp_path, capsys):
     assert "documents 2: warmed 2" in capsys.readouterr().out
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"body": "no text field"}) + "\n")
-    with pytest.raises(SystemExit, match="no string 'text' field"):
-        cli.main(["warm", "--model", str(tiny_dir), "--docs", str(bad), "--store", "memory"])
+    assert cli.main(["warm", "--model", str(tiny_dir), "--docs", str(bad), "--store", "memory"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "no string 'text' field" in err
 
 
 def test_fidelity_json_parses(tiny_dir, capsys):
@@ -175,3 +181,98 @@ def test_calibrate_writes_defaults_beside_the_weights(tiny_dir, tmp_path, capsys
     out = capsys.readouterr().out
     assert "meets the target" in out and DEFAULTS_FILE in out
     assert load_defaults(model_dir) == {"recompute_ratio": 0.15, "check_layer": 1}
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`kvboost-rag --help` must be instant: nothing heavy is imported before a command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvboost_rag import cli\nfor argv in (['--help'], ['warm', '--help'], "
+            "['fidelity', '--help']):\n    try:\n        cli.main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'langchain_core', 'llama_index.core') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "--allow-degraded" in out.stdout and "cacheblend" in out.stdout  # options and choices documented
+
+
+def test_every_option_has_help():
+    import argparse
+
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in subs.choices.items():
+        if name == "bench":
+            continue
+        for action in sp._actions:
+            assert action.help, f"{name} {action.option_strings} has no help"
+
+
+BAD_ARGS = [
+    (["warm", "--docs", "x", "--store", "bogus"], "--store"),
+    (["warm", "--docs", "x", "--store", "memory", "--chunk-size", "-5"], "--chunk-size"),
+    (["warm", "--docs", "x", "--store", "memory", "--batch-size", "0"], "--batch-size"),
+    (["fidelity", "--recompute-ratio", "2"], "--recompute-ratio"),
+    (["fidelity", "--repairs", "none,bogus"], "bogus"),
+    (["fidelity", "--prompts", "0"], "--prompts"),
+    (["fidelity", "--check-layer", "-1"], "--check-layer"),
+    (["calibrate", "--min-top1", "1.5"], "--min-top1"),
+    (["demo", "--questions", "0"], "--questions"),
+    (["demo", "--threads", "0"], "--threads"),
+    (["fidelity", "--model", "/nonexistent/model-dir", "--threads", "1"], "/nonexistent/model-dir"),
+    (["warm", "--docs", "/nonexistent/docs", "--store", "memory"], "/nonexistent/docs"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_user_errors_are_one_line_and_exit_2(argv, named, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        rc = exc.code
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "error:" in captured.err and named in captured.err, captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(Exception, match="no such model directory"):
+        cli.main(["fidelity", "--model", "/nonexistent/model-dir", "--debug", "--threads", "1"])
+
+
+def test_warm_against_redis_that_is_down_fails_unless_degraded_is_allowed(tiny_dir, tmp_path, capsys):
+    pytest.importorskip("redis")
+    from _redis_fixture import free_port
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "Alice lives in Portvale and works as a chemist."}) + "\n")
+    base = ["warm", "--model", str(tiny_dir), "--docs", str(docs), "--store", f"redis://127.0.0.1:{free_port()}/0",
+            "--no-progress", "--threads", "1"]
+    with pytest.warns(RuntimeWarning):
+        assert cli.main(base) == 1
+    captured = capsys.readouterr()
+    assert "unavailable" in captured.err and "redis" in captured.err and "documents 1" not in captured.out
+    with pytest.warns(RuntimeWarning):
+        assert cli.main(base + ["--allow-degraded"]) == 0
+    out = capsys.readouterr().out
+    assert "documents 1: warmed 1" in out
+    assert "store memory: 1 entries" in out or "store memory: 2 entries" in out
+    assert "store redis" in out and "DEGRADED" in out
+
+
+def test_fidelity_table_speaks_of_speedup_as_full_over_reuse(tiny_dir, capsys):
+    assert cli.main(["fidelity", "--model", str(tiny_dir), "--prompts", "2", "--max-new-tokens", "1",
+                     "--repairs", "cacheblend", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT speedup" in out and "x faster" in out and "full-prefill TTFT / reuse TTFT" in out
+
+
+def test_format_speedup():
+    from kvboost_rag.cli_util import format_speedup
+
+    assert format_speedup(4.0, 1.0) == "4.00x faster"
+    assert format_speedup(1.0, 0.0) == "n/a"

@@ -1,7 +1,10 @@
 """LangChain's standard chat-model suites (langchain-tests) against ChatKVBoost on a tiny random Llama.
 
-Tool calling and structured output are declared unsupported (has_tool_calling / has_structured_output =
-False): a local completion model has no tool-call parser, so those suites skip themselves."""
+Tool calling: the unit suite checks bind_tools with every tool form (has_tool_calling=True); the integration
+suite keeps it off because a random-weight model never writes a tool call (the parsing and template round
+trip are tested with scripted replies in test_langchain_tools.py). Structured output is on for the unit
+suite; the integration suite's structured tests use function calling, which a random model cannot do
+(json_schema/json_mode constrained decoding is tested in test_langchain_structured.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +57,13 @@ class _Params:
 
 
 class TestChatKVBoostUnit(_Params, ChatModelUnitTests):
-    pass
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True  # with_structured_output(json_schema|json_mode): constrained decoding (llguidance)
 
 
 class TestChatKVBoostIntegration(_Params, ChatModelIntegrationTests):

@@ -5,17 +5,42 @@ No engine logic lives here: every call goes to ``kvboost_rag.KVBoostRAG``.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_core.engine import KVEngine
 from kvboost_rag import KVBoostRAG, WarmReport
+from kvboost_rag.aio import aiter_in_thread
+from kvboost_rag.options import (
+    CALL_KEYS,
+    ENGINE_KEYS,
+    check_call_kwargs,
+    pipeline_options,
+    split_model_kwargs,
+)
+from langchain_kvboost._retrieval import watch_retrievals
 
-# Per-call keyword arguments passed straight to KVBoostRAG.generate / stream.
-_CALL_KEYS = ("kv_documents", "repair", "recompute_ratio", "select", "check_layer", "store_prefix")
+# Keyword arguments LangChain itself may hand to _generate/_stream alongside the user's per-call options.
+_FRAMEWORK_KEYS = frozenset({"run_manager", "callbacks", "tags", "metadata", "run_name", "run_id",
+                             "ls_structured_output_format", "structured_output_format"})
+_ALLOWED = CALL_KEYS | _FRAMEWORK_KEYS
+
+__all__ = ["KVBoostFields", "aiter_in_thread"]
+
+
+def field_spellings(model: type[BaseModel]) -> dict[str, str]:
+    """Every accepted spelling of every field of ``model`` (its name and its aliases) -> the field name."""
+    names: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        names[name] = name
+        alias = info.validation_alias
+        for a in getattr(alias, "choices", [alias] if isinstance(alias, str) else []):
+            if isinstance(a, str):
+                names[a] = name
+        if info.alias:
+            names[info.alias] = name
+    return names
 
 
 class KVBoostFields(BaseModel):
@@ -42,6 +67,9 @@ class KVBoostFields(BaseModel):
                                                         "changes; kv_documents=[...] per call is explicit mode).")
     preserve_order: bool = Field(default=False, description="Explicit mode: keep the given document order instead "
                                                             "of a stable order sorted by document id.")
+    auto_warm: bool = Field(default=False, description="Warm retrieved documents that were not warmed yet after "
+                                                       "the call that used them, so the next query reuses "
+                                                       "their KV (misses are logged either way).")
 
     _rag: KVBoostRAG | None = PrivateAttr(default=None)
 
@@ -50,25 +78,35 @@ class KVBoostFields(BaseModel):
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
             self._rag, self.engine = engine, engine.engine
+            if self.auto_warm:
+                engine.auto_warm = True
         elif isinstance(engine, KVEngine):
-            self._rag = KVBoostRAG(engine, transparent=self.transparent, preserve_order=self.preserve_order)
+            self._rag = KVBoostRAG(engine, transparent=self.transparent, preserve_order=self.preserve_order,
+                                   auto_warm=self.auto_warm)
         elif engine is None:
             raise ValueError(f"{type(self).__name__} needs engine=KVEngine(model, tokenizer); or build one with "
                              f"{type(self).__name__}.from_model_id('org/model')")
         else:
             raise TypeError(f"engine must be a kvboost_core KVEngine or a kvboost_rag KVBoostRAG, got "
                             f"{type(engine).__name__}")
+        watch_retrievals()  # retrieved documents become visible, so unwarmed ones are reported
         return self
 
     @classmethod
     def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
-                      model_kwargs: dict | None = None, **kwargs: Any) -> Any:
-        """Load ``model_id`` (hub id or local path) like HuggingFacePipeline.from_model_id. Keyword arguments
-        that are fields of this class configure it; the rest (chunk_size, repair defaults, store, ...) go to
-        the engine."""
-        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in cls.model_fields}
+                      model_kwargs: dict | None = None, task: str | None = None,
+                      pipeline_kwargs: dict | None = None, **kwargs: Any) -> Any:
+        """Load ``model_id`` (hub id or local path) like HuggingFacePipeline.from_model_id.
+
+        Keyword arguments naming a field of this class, or an alias of one (``max_new_tokens`` for
+        ``max_tokens``), configure it; ``task``/``pipeline_kwargs`` are mapped as HuggingFacePipeline reads
+        them (max_new_tokens, temperature, do_sample, top_p, seed, stop; anything else is refused with what
+        to use instead); the rest (chunk_size, store, sink_tokens, ...) go to the engine's EngineConfig."""
+        mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_tokens")
+        fields, engine_kw = split_model_kwargs(kwargs, field_spellings(cls))
+        fields = {**mapped, **fields}  # explicit fields win over pipeline_kwargs
         engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, model_kwargs=model_kwargs,
-                                          **kwargs)
+                                          **engine_kw)
         return cls(engine=engine, model_id=model_id, **fields)
 
     # ------------------------------------------------------------------ shared helpers
@@ -86,12 +124,17 @@ class KVBoostFields(BaseModel):
         cfg = self.rag.engine.model.config
         return self.model_id or getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", "kvboost")
 
-    def warm_documents(self, docs: Any, *, batch_size: int = 8, progress: bool = True) -> WarmReport:
-        """Warm and register documents so prompts containing them reuse their KV."""
-        return self.rag.warm_documents(docs, batch_size=batch_size, progress=progress)
+    def warm_documents(self, docs: Any, *, batch_size: int = 8, show_progress: bool | None = None,
+                       progress: bool | None = None) -> WarmReport:
+        """Warm and register documents so prompts containing them reuse their KV. ``show_progress``
+        (alias ``progress``): None shows a bar on a terminal only."""
+        return self.rag.warm_documents(docs, batch_size=batch_size, show_progress=show_progress,
+                                       progress=progress)
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here)."""
+        """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here). An
+        unknown keyword is a TypeError, never silently ignored."""
+        check_call_kwargs(kwargs, _ALLOWED, owner=type(self).__name__)
         stops = list(self.stop or []) + list(stop or [])
         opts: dict[str, Any] = {
             "max_new_tokens": int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))),
@@ -104,7 +147,7 @@ class KVBoostFields(BaseModel):
             value = kwargs.get(key, getattr(self, key))
             if value is not None:
                 opts[key] = value
-        for key in _CALL_KEYS:
+        for key in ENGINE_KEYS:
             if key in kwargs and key not in opts:
                 opts[key] = kwargs[key]
         return opts
@@ -114,28 +157,3 @@ class KVBoostFields(BaseModel):
                 "top_p": self.top_p, "repair": self.repair, "recompute_ratio": self.recompute_ratio,
                 "transparent": self.transparent}
 
-
-async def aiter_in_thread(make_iter: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Drive a blocking iterator in a worker thread and yield its items on the event loop, so streaming a
-    CPU/GPU-bound generation never blocks the loop."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
-
-    def worker() -> None:
-        try:
-            for item in make_iter():
-                loop.call_soon_threadsafe(queue.put_nowait, (False, item))
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            loop.call_soon_threadsafe(queue.put_nowait, (True, exc))
-            return
-        loop.call_soon_threadsafe(queue.put_nowait, (True, None))
-
-    done = loop.run_in_executor(None, worker)
-    while True:
-        finished, item = await queue.get()
-        if finished:
-            await done
-            if item is not None:
-                raise item
-            return
-        yield item

@@ -4,14 +4,18 @@ Messages are rendered with the model's own chat template. Multi-turn history cos
 each call's prompt is stored under prefix keys by the engine, so the next turn (the same text plus the reply
 and a new message) is an exact prefix hit up to where it differs. Warmed documents inside messages are
 found and reused as in KVBoostLLM.
+
+Tool calling (``bind_tools``) follows the Hermes/Qwen convention, see :mod:`langchain_kvboost.tools`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -24,19 +28,23 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import run_in_executor
 from pydantic import Field
 
 from kvboost_core.results import GenerationResult
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 from langchain_kvboost.llms import _info
+from langchain_kvboost.structured import METHODS, response_format, structured_runnable
+from langchain_kvboost.tools import format_tools, message_dict, parse_tool_calls, tool_choice_names
 
 _ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system",
                            ToolMessage: "tool"}
 
 
-def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages → the ``[{"role", "content"}]`` list chat templates take."""
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages → the ``[{"role", "content", ...}]`` list chat templates take (with
+    ``tool_calls`` on assistant messages and ``tool_call_id`` on tool results)."""
     out = []
     for m in messages:
         if isinstance(m, ChatMessage):
@@ -46,7 +54,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             if role is None:
                 raise TypeError(f"cannot map a {type(m).__name__} to a chat role; use HumanMessage, AIMessage, "
                                 "SystemMessage, ToolMessage or ChatMessage(role=...)")
-        out.append({"role": role, "content": m.text if isinstance(m.text, str) else str(m.content)})
+        out.append(message_dict(m, role, m.text if isinstance(m.text, str) else str(m.content)))
     return out
 
 
@@ -89,16 +97,76 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Tokens of the rendered chat prompt, as the model will see it."""
-        prompt = self.rag.chat_prompt(to_chat_dicts(messages))
+        prompt = self.rag.chat_prompt(to_chat_dicts(messages), format_tools(tools) if tools else None)
         return len(self.rag.encode(prompt, self.rag.chat_add_special_tokens(prompt)))
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (BaseTool, pydantic models, functions or OpenAI schemas). They are rendered by the chat
+        template (``tools=``); ``<tool_call>{json}</tool_call>`` replies become ``AIMessage.tool_calls``.
+        ``tool_choice``: "auto"/None, "none", "any"/"required" (the reply is started as a tool call), or a
+        tool's name (started as a call of that tool)."""
+        formatted = format_tools(tools)
+        tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: Any = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None, **kwargs: Any) -> Runnable:
+        """Replies parsed into ``schema`` (a pydantic class, TypedDict, OpenAI function or JSON schema).
+
+        ``json_schema`` (default) and ``json_mode`` enforce the JSON by constrained decoding (llguidance;
+        ``json_mode`` without a schema allows any JSON object), so the reply parses unless the token budget
+        runs out. ``function_calling`` goes through ``bind_tools`` and is not constrained."""
+        if kwargs:
+            raise TypeError(f"with_structured_output got unexpected keyword argument(s) {sorted(kwargs)}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        fmt = response_format(schema, method)
+        llm = self.bind(response_format=fmt, ls_structured_output_format={
+            "kwargs": {"method": method, "strict": strict}, "schema": fmt["schema"]})
+        return structured_runnable(llm, schema, include_raw)
+
+    def _structured(self, prompt: str, opts: dict[str, Any], fmt: dict[str, Any]) -> AIMessage:
+        from kvboost_rag.constrained import generate_json
+
+        res = generate_json(self.rag, prompt, fmt.get("schema"), max_new_tokens=opts["max_new_tokens"],
+                            temperature=opts["temperature"], top_p=opts["top_p"], seed=opts["seed"],
+                            add_special_tokens=opts["add_special_tokens"])
+        n_in, n_out = len(res.prompt_token_ids), len(res.token_ids)
+        return AIMessage(content=res.text, usage_metadata=UsageMetadata(
+            input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
+            response_metadata=self._metadata(res.stats))
 
     # ------------------------------------------------------------------ calls
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        prompt = self.rag.chat_prompt(to_chat_dicts(messages))
+                 kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], str | None]:
+        """(prompt, engine options, the forced start of the reply when tool_choice forces a call)."""
+        kwargs = dict(kwargs)
+        kwargs.pop("response_format", None)  # read by the callers (_generate/_stream)
+        tools = kwargs.pop("tools", None) or None
+        tool_choice = kwargs.pop("tool_choice", None)
+        if tools is not None:
+            tools = [t if isinstance(t, dict) and "function" in t else format_tools([t])[0] for t in tools]
+        prompt = self.rag.chat_prompt(to_chat_dicts(messages), tools if tool_choice != "none" else None)
         opts = self._call_options(stop, kwargs)
         opts["add_special_tokens"] = self.rag.chat_add_special_tokens(prompt)
-        return prompt, opts
+        start = None
+        if tools and tool_choice not in (None, "auto", "none"):
+            # No grammar: a forced call is started in the prompt itself and the model continues it.
+            name = tool_choice_names(tool_choice, tools)
+            start = "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+            prompt += start
+        return prompt, opts, ((start or "") if tools else None)
+
+    def _message(self, text: str, tool_start: str | None, result: GenerationResult | None,
+                 stats: dict[str, Any]) -> AIMessage:
+        if tool_start is None:
+            return AIMessage(content=text, usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
+        content, calls, invalid = parse_tool_calls(tool_start + text)
+        return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
+                         usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
 
     @staticmethod
     def _usage(result: GenerationResult | None) -> UsageMetadata:
@@ -112,12 +180,13 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        prompt, opts = self._prepare(messages, stop, kwargs)
+        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):
+            return ChatResult(generations=[ChatGeneration(message=self._structured(prompt, opts,
+                                                                                   kwargs["response_format"]))])
         result = self.rag.generate(prompt, **opts)
         # The call's own result and stats (not last_stats): several calls may run at once (abatch).
-        stats = result.stats
-        message = AIMessage(content=result.text, usage_metadata=self._usage(result),
-                            response_metadata=self._metadata(stats))
+        message = self._message(result.text, tool_start, result, result.stats)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.model_name})
 
@@ -125,6 +194,14 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         return await run_in_executor(None, self._generate, messages, stop,
                                      run_manager.get_sync() if run_manager else None, **kwargs)
+
+    def _tool_chunk(self, result: GenerationResult, tool_start: str) -> ChatGenerationChunk:
+        msg = self._message(result.text, tool_start, result, result.stats)
+        chunks = [{"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
+                   "type": "tool_call_chunk"} for i, c in enumerate(msg.tool_calls)]
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content=msg.content, tool_call_chunks=chunks, usage_metadata=msg.usage_metadata,
+            response_metadata=msg.response_metadata, chunk_position="last"))
 
     def _final_chunk(self, done: dict[str, Any]) -> ChatGenerationChunk:
         # Usage and model name go on the last chunk only, so aggregating chunks does not double count them.
@@ -135,7 +212,16 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        prompt, opts = self._prepare(messages, stop, kwargs)
+        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):  # constrained JSON: one chunk
+            msg = self._structured(prompt, opts, kwargs["response_format"])
+            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
+                                                             response_metadata=msg.response_metadata,
+                                                             chunk_position="last"))
+            return
+        if tool_start is not None:  # tool calls are parsed from the whole reply: one chunk
+            yield self._tool_chunk(self.rag.generate(prompt, **opts), tool_start)
+            return
         done: dict[str, Any] = {}
         for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
@@ -147,7 +233,17 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        prompt, opts = self._prepare(messages, stop, kwargs)
+        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):
+            msg = await run_in_executor(None, self._structured, prompt, opts, kwargs["response_format"])
+            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
+                                                             response_metadata=msg.response_metadata,
+                                                             chunk_position="last"))
+            return
+        if tool_start is not None:
+            result = await run_in_executor(None, self.rag.generate, prompt, **opts)
+            yield self._tool_chunk(result, tool_start)
+            return
         done: dict[str, Any] = {}
         async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))

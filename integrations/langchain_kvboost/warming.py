@@ -10,6 +10,7 @@ from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
 
 from kvboost_rag import KVBoostRAG, WarmReport
+from kvboost_rag.warming import resolve_progress
 
 
 def _warmer(target: Any) -> Any:
@@ -22,15 +23,16 @@ def _warmer(target: Any) -> Any:
 class KVWarmTransformer(BaseDocumentTransformer):
     """Warms documents passing through (e.g. after a text splitter) and returns them unchanged."""
 
-    def __init__(self, llm: Any, *, batch_size: int = 8, progress: bool = False) -> None:
+    def __init__(self, llm: Any, *, batch_size: int = 8, show_progress: bool | None = None,
+                 progress: bool | None = None) -> None:
         self.llm = _warmer(llm)
         self.batch_size = batch_size
-        self.progress = progress
+        self.show_progress = resolve_progress(show_progress, progress)
         self.last_report: WarmReport | None = None
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
         self.last_report = self.llm.warm_documents(list(documents), batch_size=self.batch_size,
-                                                   progress=self.progress)
+                                                   show_progress=self.show_progress)
         return documents
 
     async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
@@ -38,7 +40,10 @@ class KVWarmTransformer(BaseDocumentTransformer):
 
 
 def add_documents_warmed(vectorstore: VectorStore, docs: Sequence[Document], llm: Any, *, batch_size: int = 8,
-                         progress: bool = False, **kwargs: Any) -> list[str]:
-    """``vectorstore.add_documents(docs)`` after warming the same documents in ``llm``; returns the ids."""
-    _warmer(llm).warm_documents(list(docs), batch_size=batch_size, progress=progress)
+                         show_progress: bool | None = None, progress: bool | None = None,
+                         **kwargs: Any) -> list[str]:
+    """``vectorstore.add_documents(docs)`` after warming the same documents in ``llm``; returns the ids.
+    ``show_progress`` (alias ``progress``): None shows a bar on a terminal only."""
+    _warmer(llm).warm_documents(list(docs), batch_size=batch_size,
+                                show_progress=resolve_progress(show_progress, progress))
     return vectorstore.add_documents(list(docs), **kwargs)

@@ -3,10 +3,16 @@
 Dispatch rule: the extension runs when it is loaded and every tensor sits on a device it was built for
 (CPU always; CUDA only for a ``KVBOOST_CUDA=1`` build) with a supported dtype; anything else runs
 :mod:`kvboost_core.kernels.reference`, which defines the results.
+
+When the install has no extension (an isolated ``pip install`` builds without torch), the first kernel call
+builds it once with :mod:`.jit` (cached, shared by later processes); if that cannot work, one warning says
+so and the torch reference runs.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -17,10 +23,41 @@ from kvboost_core.quant import QuantPayload
 from kvboost_core.store.base import DensePayload, KVPayload
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_jit_lock = threading.Lock()
+_jit_tried = False
+
+
+def ensure_ext() -> bool:
+    """Whether the native kernels are usable, building them once (JIT) when the install skipped them."""
+    global _jit_tried
+    # _k._ext (not has_ext(), which tests patch to force the fallback): an extension that is loaded must
+    # never be JIT-built again; its ops would be registered twice, which aborts the process.
+    if _k.has_ext() or _jit_tried or _k._ext is not None:
+        return _k.has_ext()
+    with _jit_lock:
+        if _jit_tried:
+            return _k.has_ext()
+        from kvboost_core.kernels import jit
+
+        why = jit.why_not()
+        if why is None:
+            try:
+                ext = jit.build()
+            except Exception as e:  # noqa: BLE001 - any build failure leaves the torch fallback
+                why = f"JIT build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            else:
+                _k._ext, _k._load_error = ext, None  # the package-level state every dispatch reads
+                _register_fakes()
+        if why is not None and why != "disabled by KVBOOST_DISABLE_EXT=1":
+            msg = (f"kvboost: native kernels unavailable ({_k.load_error()}; {why}); using the pure-torch "
+                   "reference kernels (same results, slower)")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        _jit_tried = True  # set last: concurrent callers wait on the lock until the outcome is known
+    return _k.has_ext()
 
 
 def _ext_device(device: torch.device) -> bool:
-    if not _k.has_ext():
+    if not ensure_ext():
         return False
     if device.type == "cpu":
         return True

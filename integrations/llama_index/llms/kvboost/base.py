@@ -1,21 +1,18 @@
-"""LlamaIndex skin over :class:`kvboost_rag.adapter.KVBoostRAG`.
+"""LlamaIndex skin over :class:`kvboost_rag.adapter.KVBoostRAG`: :class:`KVBoostLLM`, a ``CustomLLM`` whose
+prompts reuse the KV of warmed documents (transparently: the synthesizer's flat prompt is searched for warmed
+document texts). Ingestion helpers are in :mod:`.ingestion`.
 
-- :class:`KVBoostLLM` — a ``CustomLLM`` whose prompts reuse the KV of warmed documents (transparently: the
-  synthesizer's flat prompt is searched for warmed document texts).
-- :class:`KVWarmer` — the last transform of an ``IngestionPipeline``: warms every node's LLM rendering.
-- :class:`StableOrderPostprocessor` — sorts retrieved nodes by the registry key of their rendering, so the same
-  document set always yields the same prompt (exact prefix hits).
-
-No engine logic lives here: everything is delegated to ``KVBoostRAG``.
+No engine logic lives here: everything is delegated to ``KVBoostRAG``. The async methods run the blocking
+generation in a worker thread, so the event loop keeps running.
 """
 
 from __future__ import annotations
 
-import threading
-import uuid
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from kvboost_rag.aio import aiter_in_thread, run_blocking
+from kvboost_rag.options import CALL_KEYS, check_call_kwargs, pipeline_options, split_model_kwargs
 
 _HINT = "pip install 'kvboost-rag[llamaindex]'"
 
@@ -23,16 +20,18 @@ try:
     from llama_index.core.base.llms.types import (
         ChatMessage,
         ChatResponse,
+        ChatResponseAsyncGen,
         ChatResponseGen,
         CompletionResponse,
+        CompletionResponseAsyncGen,
         CompletionResponseGen,
         LLMMetadata,
     )
     from llama_index.core.bridge.pydantic import Field, PrivateAttr
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
-    from llama_index.core.postprocessor.types import BaseNodePostprocessor
-    from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
+    from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
+    from llama_index.llms.kvboost._retrieval import watch_retrievals
 except ImportError as exc:  # pragma: no cover - exercised only without llama-index installed
     raise ImportError(f"llama_index.llms.kvboost needs llama-index-core: {_HINT}") from exc
 
@@ -40,9 +39,11 @@ if TYPE_CHECKING:
     from kvboost_core.engine import KVEngine
     from kvboost_rag.adapter import KVBoostRAG
 
-# Per-call engine options complete()/stream_complete() accept as keyword arguments.
-_CALL_OPTIONS = frozenset({"max_new_tokens", "temperature", "top_p", "stop", "seed", "repair", "recompute_ratio",
-                           "select", "check_layer", "add_special_tokens", "store_prefix", "kv_documents"})
+# Per-call engine options complete()/stream_complete() accept as keyword arguments (max_tokens is an alias
+# of max_new_tokens, as in the field).
+_CALL_OPTIONS = CALL_KEYS - {"max_tokens"}
+# Spellings from_model_id and the constructor accept for fields, besides the field names.
+_FIELD_ALIASES = {"max_tokens": "max_new_tokens"}
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -91,61 +92,6 @@ def _model_name(engine: KVEngine) -> str:
     return str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "") or "kvboost")
 
 
-class _StoreTokens:
-    """An identity token per KV store instance, renewed when the store may have lost warmed entries.
-
-    ``IngestionPipeline`` caches a transform's output under a hash of the nodes and ``transform.to_dict()``;
-    :class:`KVWarmer` puts this token in its ``to_dict()`` so a cached result is only reused for the very store
-    it warmed, and only while that store has not evicted or dropped entries since.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._weak: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        self._by_id: dict[int, tuple[Any, dict[str, Any]]] = {}  # stores that refuse weak references
-
-    def _state(self, store: Any) -> dict[str, Any]:
-        try:
-            st = self._weak.get(store)
-            if st is None:
-                st = self._weak[store] = {"token": uuid.uuid4().hex, "entries": 0, "evictions": 0}
-            return st
-        except TypeError:
-            ref, st = self._by_id.get(id(store), (None, None))
-            if ref is not store or st is None:
-                st = {"token": uuid.uuid4().hex, "entries": 0, "evictions": 0}
-                self._by_id[id(store)] = (store, st)
-            return st
-
-    @staticmethod
-    def _counts(store: Any) -> tuple[int, int]:
-        try:
-            s = store.stats()
-        except Exception:  # a store without stats: never trust the cache
-            return -1, -1
-        return int(s.get("entries", 0) or 0), int(s.get("evictions", 0) or 0)
-
-    def token(self, store: Any) -> str:
-        with self._lock:
-            st = self._state(store)
-            entries, evictions = self._counts(store)
-            if entries < 0 or entries < st["entries"] or evictions > st["evictions"]:
-                st["token"] = uuid.uuid4().hex  # entries were lost (evicted, cleared): warm again
-            st["entries"], st["evictions"] = max(entries, 0), max(evictions, 0)
-            return st["token"]
-
-    def warmed(self, store: Any) -> None:
-        with self._lock:
-            st = self._state(store)
-            entries, evictions = self._counts(store)
-            if evictions > st["evictions"]:  # the warm itself evicted: the next run must warm again
-                st["token"] = uuid.uuid4().hex
-            st["entries"], st["evictions"] = max(entries, 0), max(evictions, 0)
-
-
-_STORE_TOKENS = _StoreTokens()
-
-
 # ---------------------------------------------------------------------------------------------------- the LLM
 class KVBoostLLM(CustomLLM):
     """A local HuggingFace model behind kvboost: warmed documents' KV is reused wherever they appear in a prompt.
@@ -172,12 +118,20 @@ class KVBoostLLM(CustomLLM):
                                 "messages, rendered with the tokenizer's chat template.")
     engine_call_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra per-call engine options "
                                                "(select, check_layer, store_prefix, add_special_tokens).")
+    auto_warm: bool = Field(default=False, description="Warm retrieved nodes that were not warmed yet after the "
+                            "call that used them, so the next query reuses their KV (misses are logged "
+                            "either way).")
 
     _rag: Any = PrivateAttr(default=None)
     _template_chat: bool = PrivateAttr(default=True)
 
     def __init__(self, engine: KVEngine | KVBoostRAG | None = None, *, rag: KVBoostRAG | None = None,
                  transparent: bool = True, preserve_order: bool = False, **kwargs: Any) -> None:
+        for alias, name in _FIELD_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"{alias}= repeats {name}= (two spellings of one option); pass one of them")
+                kwargs[name] = kwargs.pop(alias)
         if (engine is None) == (rag is None):
             raise TypeError("KVBoostLLM needs exactly one of engine= (a kvboost_core KVEngine or a KVBoostRAG) or "
                             "rag=; or build it with KVBoostLLM.from_model_id(model_id, ...)")
@@ -190,7 +144,10 @@ class KVBoostLLM(CustomLLM):
         template_chat = kwargs.get("messages_to_prompt") is None
         super().__init__(**kwargs)
         self._rag = the_rag
+        if self.auto_warm:
+            the_rag.auto_warm = True
         self._template_chat = template_chat
+        watch_retrievals()  # retrieved nodes become visible, so unwarmed ones are reported
         real = self._model_context()
         if self.context_window is not None and real and self.context_window > real:
             raise ValueError(f"context_window={self.context_window} exceeds the model's context "
@@ -198,12 +155,17 @@ class KVBoostLLM(CustomLLM):
 
     @classmethod
     def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
-                      transparent: bool = True, preserve_order: bool = False, **kwargs: Any) -> KVBoostLLM:
-        """Load a local HuggingFace model. Keyword arguments naming a field of this class (``max_new_tokens``,
-        ``repair``, ...) configure the LLM; the others configure the engine (``chunk_size``, ``store``, ...)."""
-        fields = set(cls.model_fields)
-        llm_kw = {k: v for k, v in kwargs.items() if k in fields}
-        engine_kw = {k: v for k, v in kwargs.items() if k not in fields}
+                      transparent: bool = True, preserve_order: bool = False, task: str | None = None,
+                      pipeline_kwargs: dict | None = None, **kwargs: Any) -> KVBoostLLM:
+        """Load a local HuggingFace model. Keyword arguments naming a field of this class (``max_new_tokens``
+        or its alias ``max_tokens``, ``repair``, ...) configure the LLM; ``task``/``pipeline_kwargs`` are
+        mapped as HuggingFacePipeline reads them (max_new_tokens, temperature, do_sample, top_p, seed, stop;
+        anything else is refused with what to use instead); the others configure the engine (``chunk_size``,
+        ``store``, ...)."""
+        spellings = {name: name for name in cls.model_fields} | _FIELD_ALIASES
+        mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_new_tokens")
+        llm_kw, engine_kw = split_model_kwargs(kwargs, spellings)
+        llm_kw = {**mapped, **llm_kw}
         rag = _rag_class().from_model_id(model_id, device=device, dtype=dtype, transparent=transparent,
                                          preserve_order=preserve_order, **engine_kw)
         llm_kw.setdefault("model_name", model_id)
@@ -227,9 +189,12 @@ class KVBoostLLM(CustomLLM):
         """The last call's prefill statistics (``reuse_ratio``, ``doc_tokens``, ``doc_tokens_reused``, ``ttft_s``...)."""
         return dict(self._rag.last_stats or {})
 
-    def warm_documents(self, docs: Any, *, batch_size: int = 8, progress: bool = False) -> Any:
-        """Warm strs, LangChain Documents or LlamaIndex nodes (rendered with MetadataMode.LLM). Idempotent."""
-        return self._rag.warm_documents(docs, batch_size=batch_size, progress=progress)
+    def warm_documents(self, docs: Any, *, batch_size: int = 8, show_progress: bool | None = None,
+                       progress: bool | None = None) -> Any:
+        """Warm strs, LangChain Documents or LlamaIndex nodes (rendered with MetadataMode.LLM). Idempotent.
+        ``show_progress`` (alias ``progress``): None shows a bar on a terminal only."""
+        return self._rag.warm_documents(docs, batch_size=batch_size, show_progress=show_progress,
+                                        progress=progress)
 
     def _model_context(self) -> int:
         return int(self._rag.context_window or 0)
@@ -242,10 +207,12 @@ class KVBoostLLM(CustomLLM):
 
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - _CALL_OPTIONS
-        if unknown:
-            raise TypeError(f"KVBoostLLM got unexpected keyword arguments {sorted(unknown)}; per-call options are "
-                            f"{sorted(_CALL_OPTIONS)}")
+        check_call_kwargs(kwargs, CALL_KEYS, owner="KVBoostLLM")
+        if "max_tokens" in kwargs:
+            kwargs = dict(kwargs)
+            if "max_new_tokens" in kwargs:
+                raise TypeError("max_tokens= repeats max_new_tokens= (two spellings of one option); pass one")
+            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
         out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                "top_p": self.top_p, "stop": self.stop, "seed": self.seed}
         if self.repair is not None:
@@ -264,26 +231,53 @@ class KVBoostLLM(CustomLLM):
         prompt = self.completion_to_prompt(prompt) if self.completion_to_prompt else prompt
         return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
 
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
         result = self._rag.generate(self._full_prompt(prompt, formatted), **self._call_kwargs(kwargs))
         raw = {"finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "total_s": result.total_s,
                "reuse_ratio": result.reuse_ratio, "token_ids": list(result.token_ids),
                "prompt_tokens": len(result.prompt_token_ids), "stats": self.last_stats}
         return CompletionResponse(text=result.text, raw=raw)
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+    def _stream(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         full = self._full_prompt(prompt, formatted)
-        call_kw = self._call_kwargs(kwargs)
+        call_kw = self._call_kwargs(kwargs)  # validated now, before the caller iterates
 
         def gen() -> CompletionResponseGen:
             text = ""
+            pieces = 0
             for piece in self._rag.stream(full, **call_kw):
                 text += piece
+                pieces += 1
                 yield CompletionResponse(text=text, delta=piece)
+            if pieces == 0:
+                # An empty generation (EOS or a stop string first) still yields one response, as
+                # HuggingFaceLLM does: LlamaIndex's end-of-stream event requires a last response.
+                yield CompletionResponse(text="", delta="")
 
         return gen()
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await run_blocking(self._complete, prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        gen = self._stream(prompt, formatted, kwargs)
+
+        async def agen() -> CompletionResponseAsyncGen:
+            async for item in aiter_in_thread(lambda: gen):
+                yield item
+
+        return agen()
 
     # -- chat: through the tokenizer's chat template ----------------------------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
@@ -304,81 +298,36 @@ class KVBoostLLM(CustomLLM):
         from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 
         prompt = self._chat_prompt(messages)
-        return completion_response_to_chat_response(self.complete(prompt, formatted=True,
-                                                                  **self._chat_kwargs(prompt, kwargs)))
+        return completion_response_to_chat_response(self._complete(prompt, True, self._chat_kwargs(prompt, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         from llama_index.core.base.llms.generic_utils import stream_completion_response_to_chat_response
 
         prompt = self._chat_prompt(messages)
-        gen = self.stream_complete(prompt, formatted=True, **self._chat_kwargs(prompt, kwargs))
-        return stream_completion_response_to_chat_response(gen)
+        return stream_completion_response_to_chat_response(self._stream(prompt, True,
+                                                                         self._chat_kwargs(prompt, kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
+
+        prompt = self._chat_prompt(messages)
+        resp = await run_blocking(self._complete, prompt, True, self._chat_kwargs(prompt, kwargs))
+        return completion_response_to_chat_response(resp)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        from llama_index.core.base.llms.generic_utils import astream_completion_response_to_chat_response
+
+        prompt = self._chat_prompt(messages)
+        gen = self._stream(prompt, True, self._chat_kwargs(prompt, kwargs))
+
+        async def agen() -> CompletionResponseAsyncGen:
+            async for item in aiter_in_thread(lambda: gen):
+                yield item
+
+        return astream_completion_response_to_chat_response(agen())
 
 
-# ---------------------------------------------------------------------------------------------------- ingestion
-class KVWarmer(TransformComponent):
-    """Last step of an ``IngestionPipeline``: warms each node's KV and returns the nodes unchanged.
-
-    Nodes are rendered with ``MetadataMode.LLM``, exactly as the response synthesizers put them in prompts.
-    The pipeline's transform cache cannot skip warming a store that lacks the nodes: the cache key
-    (``to_dict()``) carries an identity token of the engine's KV store, renewed when the store loses entries.
-    """
-
-    batch_size: int = Field(default=8, gt=0, description="Documents warmed per batch.")
-    show_progress: bool = Field(default=False, description="Show a progress bar while warming.")
-
-    _rag: Any = PrivateAttr(default=None)
-    _last_report: Any = PrivateAttr(default=None)
-
-    def __init__(self, llm: KVBoostLLM | KVBoostRAG | KVEngine, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._rag = _as_rag(llm)
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "KVWarmer"
-
-    @property
-    def last_report(self) -> Any:
-        """The ``WarmReport`` of the last call (None before the first)."""
-        return self._last_report
-
-    def _store(self) -> Any:
-        return self._rag.engine.store
-
-    def to_dict(self, **kwargs: Any) -> dict[str, Any]:
-        data = super().to_dict(**kwargs)
-        data["kv_store_token"] = _STORE_TOKENS.token(self._store())
-        data["kv_fingerprint"] = str(self._rag.engine.fingerprint)
-        data["kv_namespace"] = self._rag.engine.config.namespace
-        return data
-
-    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        texts = [render_node(n) for n in nodes]
-        texts = [t for t in texts if t.strip()]
-        if texts:
-            self._last_report = self._rag.warm_documents(texts, batch_size=self.batch_size,
-                                                         progress=self.show_progress)
-            _STORE_TOKENS.warmed(self._store())
-        return nodes
-
-
-# ---------------------------------------------------------------------------------------------------- retrieval
-class StableOrderPostprocessor(BaseNodePostprocessor):
-    """Reorders retrieved nodes by the registry key of their rendered text (xxh3 of ``get_content(LLM)``).
-
-    The same set of documents then always yields the same prompt, so a repeated document set is an exact
-    prefix hit. Put it last in ``node_postprocessors`` (after any reranker/cut-off that depends on scores).
-    """
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "StableOrderPostprocessor"
-
-    def _postprocess_nodes(self, nodes: list[NodeWithScore],
-                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        return sorted(nodes, key=lambda n: registry_key(render_node(n)))
-
-
-__all__ = ["KVBoostLLM", "KVWarmer", "StableOrderPostprocessor", "registry_key", "render_node"]
+__all__ = ["KVBoostLLM", "registry_key", "render_node"]

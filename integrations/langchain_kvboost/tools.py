@@ -1,0 +1,85 @@
+"""Tool calling for ChatKVBoost: tools go to the chat template, tool calls come back parsed.
+
+Local instruct models (Qwen2.5/3, Hermes, many Llama fine-tunes) are trained on the Hermes convention: the
+tool schemas are rendered by the chat template (``apply_chat_template(..., tools=[...])``), and the model
+answers ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A ``ToolMessage`` goes back as a
+``{"role": "tool"}`` message, an earlier call as the assistant message's ``tool_calls``.
+
+Nothing here constrains decoding: a model that writes malformed JSON gets ``invalid_tool_calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages.tool import InvalidToolCall, ToolCall
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+    """(text outside the tool-call blocks, parsed calls, blocks that are not a valid call)."""
+    calls: list[ToolCall] = []
+    invalid: list[InvalidToolCall] = []
+    for m in _CALL.finditer(text):
+        body = m.group(1).strip()
+        if not body:
+            continue
+        try:
+            data = json.loads(body)
+            name = data["name"]
+            args = data.get("arguments", data.get("parameters", {}))
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be a string and arguments an object")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            invalid.append(InvalidToolCall(name=None, args=body, id=_call_id(), error=f"{type(exc).__name__}: "
+                                           f"{exc}", type="invalid_tool_call"))
+            continue
+        calls.append(ToolCall(name=name, args=args, id=_call_id(), type="tool_call"))
+    content = _CALL.sub("", text).strip() if (calls or invalid) else text
+    return content, calls, invalid
+
+
+def message_dict(m: BaseMessage, role: str, content: str) -> dict[str, Any]:
+    """One LangChain message as the chat-template dict, tool calls and tool results included."""
+    out: dict[str, Any] = {"role": role, "content": content}
+    if isinstance(m, AIMessage) and m.tool_calls:
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c["name"], "arguments": c["args"]}} for c in m.tool_calls]
+    if isinstance(m, ToolMessage):
+        out["tool_call_id"] = m.tool_call_id
+        if m.name:
+            out["name"] = m.name
+    return out
+
+
+def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """Tools (BaseTool, pydantic models, functions, OpenAI dicts) -> OpenAI function schemas, which HF chat
+    templates accept as ``tools=``."""
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    return [convert_to_openai_tool(t) for t in tools]
+
+
+def tool_choice_names(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
+    """Validate ``tool_choice`` against the bound tools; the name of a forced tool, if one is forced."""
+    if tool_choice in (None, "auto", "none", "any", "required", True):
+        return None
+    name = tool_choice
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
+    return str(name)

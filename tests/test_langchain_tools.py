@@ -1,0 +1,106 @@
+"""ChatKVBoost tool calling: tools rendered by the chat template, Hermes/Qwen ``<tool_call>`` replies parsed
+into AIMessage.tool_calls, and the ToolMessage round trip back through the template (scripted replies: a
+random tiny model writes no tool calls)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langchain_kvboost import ChatKVBoost  # noqa: E402
+from langchain_kvboost.tools import parse_tool_calls  # noqa: E402
+
+from kvboost_core.engine import KVEngine  # noqa: E402
+from kvboost_core.results import GenerationResult  # noqa: E402
+from kvboost_rag.tiny import tiny_model_and_tokenizer  # noqa: E402
+
+# Qwen2.5's tool section and message rendering, reduced to what the test needs.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools>\nReturn <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Current weather in a city."""
+    return f"sunny in {city}"
+
+
+@pytest.fixture
+def chat():
+    model, shared = tiny_model_and_tokenizer()
+    tok = copy.deepcopy(shared)  # the tiny tokenizer may be shared (cached): keep its template intact
+    tok.chat_template = TOOL_TEMPLATE
+    return ChatKVBoost(engine=KVEngine(model, tok), max_tokens=4)
+
+
+def _script(chat, replies: list[str]) -> list[str]:
+    """Make chat.rag.generate answer ``replies`` in turn; returns the prompts it was given."""
+    prompts: list[str] = []
+
+    def generate(prompt, **kw):
+        prompts.append(prompt)
+        text = replies[len(prompts) - 1]
+        return GenerationResult(text=text, token_ids=[5] * 3, prompt_token_ids=[1] * 10, ttft_s=0.01,
+                                total_s=0.02, reuse_ratio=0.0, finish_reason="eos", stats={"reuse_ratio": 0.0})
+
+    object.__setattr__(chat.rag, "generate", generate)
+    return prompts
+
+
+def test_tool_call_round_trip(chat):
+    prompts = _script(chat, ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+                             "It is sunny in Paris."])
+    bound = chat.bind_tools([get_weather])
+    question = HumanMessage("What is the weather in Paris?")
+    ai = bound.invoke([question])
+    assert '"name": "get_weather"' in prompts[0] and "<tools>" in prompts[0]  # tools went to the template
+    assert ai.content == ""
+    assert [(c["name"], c["args"]) for c in ai.tool_calls] == [("get_weather", {"city": "Paris"})]
+    result = get_weather.invoke(ai.tool_calls[0])
+    assert isinstance(result, ToolMessage) and result.tool_call_id == ai.tool_calls[0]["id"]
+    final = bound.invoke([question, ai, result])
+    assert final.content == "It is sunny in Paris." and not final.tool_calls
+    # the earlier call and its result went back through the template
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompts[1]
+    assert "<tool_response>\nsunny in Paris\n</tool_response>" in prompts[1]
+
+
+def test_forced_tool_choice_starts_the_call_in_the_prompt(chat):
+    prompts = _script(chat, ['{"city": "Oslo"}}\n</tool_call>', '{"name": "get_weather", "arguments": {}}'])
+    ai = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("weather in Oslo?")
+    assert prompts[0].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert ai.tool_calls[0]["args"] == {"city": "Oslo"}
+    ai = chat.bind_tools([get_weather], tool_choice="any").invoke("weather?")
+    assert prompts[1].endswith("<|im_start|>assistant\n<tool_call>\n") and ai.tool_calls[0]["name"] == "get_weather"
+    with pytest.raises(ValueError, match="names no bound tool"):
+        chat.bind_tools([get_weather], tool_choice="nope")
+
+
+def test_streaming_with_tools_gives_tool_call_chunks(chat):
+    _script(chat, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'])
+    chunks = list(chat.bind_tools([get_weather]).stream("weather in Rome?"))
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert full.tool_calls[0]["name"] == "get_weather" and full.tool_calls[0]["args"] == {"city": "Rome"}
+
+
+def test_parse_tool_calls_edge_cases():
+    content, calls, invalid = parse_tool_calls("plain answer")
+    assert (content, calls, invalid) == ("plain answer", [], [])
+    content, calls, invalid = parse_tool_calls('Let me check. <tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}'
+                                               '</tool_call><tool_call>{not json}</tool_call>')
+    assert content == "Let me check." and calls[0]["args"] == {"a": 1} and len(invalid) == 1
+    assert isinstance(AIMessage(content="", invalid_tool_calls=invalid).invalid_tool_calls[0]["error"], str)
