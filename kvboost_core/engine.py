@@ -27,7 +27,13 @@ from kvboost_core.assembly import (
     plan_chunks,
 )
 from kvboost_core.chunking import boundary_predicate, chunk_spans
-from kvboost_core.config import EngineConfig, validate_adaptive, validate_check_layer, validate_flag, validate_repair
+from kvboost_core.config import (
+    EngineConfig,
+    validate_adaptive,
+    validate_check_layer,
+    validate_flag,
+    validate_repair,
+)
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint

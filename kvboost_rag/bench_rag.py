@@ -136,11 +136,11 @@ def summarize(setting: str, rows: Sequence[Row], full_ttft: float) -> Summary:
 
 
 def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[str, dict[str, Any]],
-        max_new_tokens: int = 32, seed: int = 0, log: Any = print) -> dict[str, Any]:
+        max_new_tokens: int = 32, seed: int = 0, log: Any = print, start: int = 0) -> dict[str, Any]:
     from kvboost_rag import rag_corpus as rc
 
     corpus = rc.load_corpus(split)
-    sets = rc.retrieval_sets(corpus, k, seed)[: n_questions or None]
+    sets = rc.retrieval_sets(corpus, k, seed)[start:][: n_questions or None]
     engine = rag.engine
     t0 = time.perf_counter()
     rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)

@@ -44,6 +44,7 @@ from kvboost_rag.cli_util import (
 from kvboost_rag.cli_warm import read_documents, run_warm
 
 DEMO = "demo"  # --model value meaning "the embedded demo model"
+REAL_MODEL = "smollm2-135m-instruct"  # the real instruct model the demo runs on (kvboost_core.zoo)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -152,6 +153,12 @@ def _build_chain(llm: Any, corpus: Sequence[str], top_k: int) -> Any:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.model != DEMO:  # a chat model: the retrieval chain over ChatKVBoost (kvboost_rag.demo_chat)
+        from kvboost_rag import demo_chat
+
+        return demo_chat.run(args.model, args.questions, args.top_k or 12, args.max_new_tokens or 40,
+                             progress=False if args.no_progress else None)
+    args.top_k, args.max_new_tokens = args.top_k or 4, args.max_new_tokens or 12
     from kvboost_core.engine import KVEngine
     from kvboost_rag import KVBoostRAG
 
@@ -318,12 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench}",
                            parser_class=Parser)
 
-    d = sub.add_parser("demo", help="LangChain RAG over the bundled corpus: answers, TTFT with reuse vs full")
-    d.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    d = sub.add_parser("demo", help="LangChain RAG chat over the bundled English corpus on a real instruct model: "
+                                    "answers and TTFT with reuse vs plain HF full prefill")
+    d.add_argument("--model", default=REAL_MODEL,
+                   help=f"a short name, HF model directory or hub id of a chat model (default {REAL_MODEL}); "
+                        f"'{DEMO}' runs the older demo on the embedded 2M-parameter model")
     d.add_argument("--questions", type=positive_int, default=6, help="held-out questions to ask (default 6)")
-    d.add_argument("--top-k", type=positive_int, default=4, help="documents retrieved per question (default 4)")
-    d.add_argument("--max-new-tokens", type=positive_int, default=12, help="tokens generated per answer "
-                                                                          "(default 12)")
+    d.add_argument("--top-k", type=positive_int, default=None,
+                   help="documents retrieved per question (default 12 for chat models, 4 for the demo model)")
+    d.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="tokens generated per answer (default 40 for chat models, 12 for the demo model)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar while warming")
 
     w = sub.add_parser("warm", help="warm documents into a KV store (memory, disk and/or Redis tiers)")

@@ -106,7 +106,7 @@ def print_summary(rows: Sequence[ChatRow], seconds: float, setting: str) -> None
     print(f"  total {seconds:.1f} s")
 
 
-def run(model: str, questions: int, top_k: int, max_new_tokens: int, progress: bool) -> int:
+def run(model: str, questions: int, top_k: int, max_new_tokens: int, progress: bool | None = None) -> int:
     try:
         from langchain_kvboost import ChatKVBoost
     except ImportError as exc:
@@ -119,7 +119,7 @@ def run(model: str, questions: int, top_k: int, max_new_tokens: int, progress: b
     setting = f"{cfg.repair}, recompute_ratio {cfg.recompute_ratio}, check layer {cfg.check_layer}"
     print(f"model: {model}; corpus: {len(corpus.documents)} documents (held-out set); {len(qs)} questions; "
           f"top-k {top_k}; repair: {setting}")
-    report = chat.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=progress)
+    report = chat.warm_documents([rc.doc_text(d) for d in corpus.documents], show_progress=progress)
     print(f"warmed {report.warmed} documents ({report.tokens} tokens, {report.bytes / 2**20:.1f} MiB) in "
           f"{report.seconds:.1f} s (once, at ingestion)")
     chain = build_chain(chat, corpus, top_k)
