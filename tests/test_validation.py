@@ -153,9 +153,16 @@ def test_cli_fidelity_rejects_a_negative_check_layer(tmp_path, capsys):
 
     threads = torch.get_num_threads()
     try:
-        with pytest.raises(SystemExit, match="check_layer"):
+        with pytest.raises(SystemExit) as exc:  # a user error: one line, exit status 2, nothing measured
             cli.main(["fidelity", "--model", str(tmp_path), "--prompts", "1", "--max-new-tokens", "1",
                       "--check-layer", "-1", "--threads", "1"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--check-layer" in err and "KL" not in err
+        # past the model's last layer (2 layers): the engine's check, still one line and exit status 2
+        assert cli.main(["fidelity", "--model", str(tmp_path), "--prompts", "1", "--max-new-tokens", "1",
+                         "--check-layer", "5", "--threads", "1"]) == 2
+        assert "check_layer" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
     assert "KL" not in capsys.readouterr().out
