@@ -17,6 +17,7 @@ shows the traceback instead. Nothing heavy (torch, transformers) is imported bef
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -152,8 +153,23 @@ def _build_chain(llm: Any, corpus: Sequence[str], top_k: int) -> Any:
                                   create_stuff_documents_chain(llm, prompt))
 
 
+def _is_chat_model(model: str) -> bool:
+    """A zoo short name, or a model whose tokenizer has a chat template (read from its files, no torch)."""
+    from kvboost_core import zoo
+
+    if zoo.is_zoo_name(model):
+        return True
+    path = Path(model)
+    if model == DEMO or not path.is_dir():
+        return False
+    if (path / "chat_template.jinja").is_file():
+        return True
+    cfg = path / "tokenizer_config.json"
+    return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    if args.model != DEMO:  # a chat model: the retrieval chain over ChatKVBoost (kvboost_rag.demo_chat)
+    if _is_chat_model(args.model):  # the retrieval chain over ChatKVBoost (kvboost_rag.demo_chat)
         from kvboost_rag import demo_chat
 
         return demo_chat.run(args.model, args.questions, args.top_k or 12, args.max_new_tokens or 40,

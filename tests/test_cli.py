@@ -37,7 +37,7 @@ def tiny_dir(tmp_path_factory):
 def test_demo_runs_end_to_end(capsys):
     pytest.importorskip("langchain_classic")
     pytest.importorskip("faiss")
-    assert cli.main(["demo", "--questions", "2", "--top-k", "3", "--no-progress"]) == 0
+    assert cli.main(["demo", "--model", "demo", "--questions", "2", "--top-k", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.count("Q: ") == 2
     assert "TTFT reuse" in out and "full prefill" in out and "reuse ratio" in out

@@ -85,3 +85,14 @@ def test_defaults_keep_answers(rag, cases, report):
 
 
 SAME_FLOOR = 6  # set below what the benchmark measured for the defaults on this slice (see README)
+
+
+def test_make_demo_runs_on_the_real_model(capsys):
+    """`make demo` = `kvboost-rag demo`: a LangChain retrieval chain over ChatKVBoost on this model."""
+    pytest.importorskip("langchain_classic")
+    from kvboost_rag import cli
+
+    assert cli.main(["demo", "--questions", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {MODEL}" in out and "A (reuse)" in out and "A (full)" in out
+    assert "x faster (full/reuse)" in out and "12 warmed documents found" in out
