@@ -13,8 +13,8 @@ Design choices, and why:
   then holds it for the request's lifetime and the prefill buffer is freed.
 - Active rows are kept contiguous (``0..n-1``): a leaving request's row is filled by the last row, so every
   step reads ``buf[:n, :, :L]``, a view, never a gather.
-- The buffer grows (re-allocated and copied) when a request needs more slots than it has: memory follows the
-  longest active request, not the model's context.
+- The buffer grows (doubling, re-allocated and copied) when the longest active request outgrows it: memory
+  follows the longest active request's current length, not its token limit or the model's context.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class BatchedDecoder:
             raise RuntimeError("the batch is full; wait for a request to leave")
         if length < 1 or capacity < length:
             raise ValueError(f"need 1 <= length <= capacity, got length={length}, capacity={capacity}")
-        self._ensure(capacity)
+        self._ensure(length + 1)
         row = len(self._slots)
         for layer in range(self.adapter.num_layers):
             self._keys[layer][row, :, :length] = keys[layer][0, :, :length]
@@ -163,6 +163,7 @@ class BatchedDecoder:
         if capacity <= self._capacity and self._keys:
             return
         a = self.adapter
+        # doubling: a request's growth costs amortized O(1) copies per token
         new_cap = max(capacity, min(2 * self._capacity, a.max_context or 2 * self._capacity))
         shape = (self.max_batch, a.num_kv_heads, new_cap, a.head_dim)
         # zeros, not empty: padded slots are masked, but 0 * NaN garbage would still poison the weighted sum
@@ -186,6 +187,7 @@ class BatchedDecoder:
         a = self.adapter
         n = len(self._slots)
         dev = a.device
+        self._ensure(max(s.length for s in self._slots) + 1)
         ids = torch.tensor([tokens[s] for s in self._slots], device=dev).view(n, 1)
         pos = torch.tensor([s.length for s in self._slots], device=dev)
         length = int(pos.max()) + 1

@@ -350,7 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
 
     sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench)", add_help=False)
+    from kvboost_rag.server.main import add_arguments as serve_arguments  # argparse only; FastAPI loads later
+
+    serve_arguments(sub.add_parser("serve", help="OpenAI-compatible server with continuous batching"))
     return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvboost_rag.server.main import run
+
+    return run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompts < 1:
             raise SystemExit("--prompts must be >= 1")
         return run_calibrate(args)
+    if args.command == "serve":
+        return run_serve(args)
     raise SystemExit(f"unknown command {args.command!r}")  # argparse rejects these first
 
 
