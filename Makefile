@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-EXTRAS := langchain,llamaindex,redis,dev
+EXTRAS := langchain,llamaindex,redis,serve,dev
 
 .PHONY: install test demo lint bench fidelity redis-server clean
 

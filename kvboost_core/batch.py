@@ -129,6 +129,7 @@ class BatchedDecoder:
         per_slot = 2 * self.adapter.num_layers * self.adapter.num_kv_heads * self.adapter.head_dim
         return per_slot * self._keys[0].element_size() * sum(s.length for s in self._slots)
 
+    @torch.inference_mode()  # the buffers are inference tensors (allocated in step): write them in the same mode
     def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int, capacity: int) -> BatchSlot:
         """Copy a prefilled request's KV (per layer ``(1, H, >=length, D)``) into a free row."""
         if not self.free:
@@ -144,6 +145,7 @@ class BatchedDecoder:
         self._slots.append(slot)
         return slot
 
+    @torch.inference_mode()
     def remove(self, slot: BatchSlot) -> None:
         """Free ``slot``'s row; the last row moves into it so active rows stay contiguous."""
         if not slot.active:
@@ -158,6 +160,12 @@ class BatchedDecoder:
             self._slots[slot.row] = last
         if not self._slots:
             self._keys, self._values, self._capacity = [], [], 0  # idle: give the memory back
+
+    def reset(self) -> None:
+        """Drop every request and the buffers (after a failed step, whose state is unknown)."""
+        for s in self._slots:
+            s.active = False
+        self._slots, self._keys, self._values, self._capacity = [], [], [], 0
 
     def _ensure(self, capacity: int) -> None:
         if capacity <= self._capacity and self._keys:

@@ -133,7 +133,7 @@ async def _next(state: ServerState, q: asyncio.Queue, req: GenRequest, deadline:
         except asyncio.TimeoutError:
             if request is not None and await request.is_disconnected():
                 state.scheduler.cancel(req)
-                raise asyncio.CancelledError from None
+                raise APIError(499, "the client closed the request", code="client_closed") from None
 
 
 async def _respond(state: ServerState, req: GenRequest, body: P._Sampling, request: Request, *,

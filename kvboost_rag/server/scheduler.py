@@ -142,13 +142,24 @@ class Scheduler:
                 req = self._pending.popleft() if self._pending and self.decoder.free else None
             if task is not None:
                 self._run_task(*task)
-            self._drop_cancelled()
-            if req is not None:
-                self._admit(req)
-            if self._running:
-                self._step()
+            try:
+                self._drop_cancelled()
+                if req is not None:
+                    self._admit(req)
+                if self._running:
+                    self._step()
+            except Exception as exc:  # the loop must survive anything: fail the requests it holds, go on
+                log.error("scheduler iteration failed: %s; failing %d running requests", type(exc).__name__,
+                          len(self._running))
+                self._fail_running()
         for r in [*self._pending, *self._running.values()]:
             r.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+
+    def _fail_running(self) -> None:
+        for slot, r in list(self._running.items()):
+            r.emit("error", APIError(500, "the engine failed while decoding", type="server_error"))
+            self._running.pop(slot, None)
+        self.decoder.reset()
 
     def _run_task(self, fn: Callable[[], Any], fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -211,7 +222,12 @@ class Scheduler:
         except Exception as exc:  # a failing store tier must not fail the request
             log.warning("storing the prompt prefix failed: %s", type(exc).__name__)
         r.stream = TextStream(r.rag.tokenizer, r.params.stop)
-        r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
+        try:
+            r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
+        except Exception as exc:  # e.g. out of memory for the batch buffers
+            log.error("joining the batch failed: %s", type(exc).__name__)
+            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+            return
         self._running[r.slot] = r
         if self._accept(r, token):
             self._leave(r.slot)
@@ -260,9 +276,7 @@ class Scheduler:
         except Exception as exc:
             log.error("decode step failed: %s; failing the %d running requests", type(exc).__name__,
                       len(self._running))
-            for slot, r in list(self._running.items()):
-                r.emit("error", APIError(500, "the engine failed while decoding", type="server_error"))
-                self._leave(slot)
+            self._fail_running()
             return
         finished = [s for s, r in list(self._running.items())
                     if self._accept(r, sample(logits[s], r.params, r.generator))]
