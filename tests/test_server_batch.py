@@ -9,7 +9,7 @@ import torch
 from kvboost_core import Segment
 from kvboost_core.batch import BatchedDecoder, prefill
 from kvboost_core.engine import KVEngine
-from tests.conftest import CORPUS, make_tiny_model
+from conftest import CORPUS, make_tiny_model
 
 
 def _prompts() -> list[list[Segment]]:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests._server_fixture import demo_workload, running_server
+from _server_fixture import demo_workload, running_server
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests._server_fixture import KEY_A, KEY_B, KEYS, demo_workload, running_server
+from _server_fixture import KEY_A, KEY_B, KEYS, demo_workload, running_server
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
