@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CORPUS, make_tiny_model
 
 from kvboost_core import Segment
 from kvboost_core.batch import BatchedDecoder, prefill
 from kvboost_core.engine import KVEngine
-from conftest import CORPUS, make_tiny_model
 
 
 def _prompts() -> list[list[Segment]]:

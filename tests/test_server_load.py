@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from _server_fixture import demo_workload, running_server
 
 openai = pytest.importorskip("openai")

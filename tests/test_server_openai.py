@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from _server_fixture import KEY_A, KEY_B, KEYS, demo_workload, running_server
 
 openai = pytest.importorskip("openai")
