@@ -29,6 +29,8 @@ class Metrics:
         self.cached_tokens = Counter("kvboost_cached_prompt_tokens", "Prompt tokens whose KV was reused",
                                      registry=r)
         self.generated = Counter("kvboost_generated_tokens", "Tokens generated", registry=r)
+        self.decode_tokens = Counter("kvboost_decode_tokens", "Tokens produced by batched decode steps "
+                                     "(with kvboost_decode_step_seconds_sum: decode throughput)", registry=r)
         self.requests = Counter("kvboost_requests", "Finished HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.queue = Gauge("kvboost_queue_depth", "Requests waiting for a batch slot", registry=r)
@@ -54,6 +56,7 @@ class Metrics:
 
     def on_step(self, seconds: float, batch: int) -> None:
         self.step.observe(seconds)
+        self.decode_tokens.inc(batch)
 
     def render(self, scheduler: Any, stores: Callable[[], dict[str, dict[str, Any]]]) -> bytes:
         self.queue.set(scheduler.queue_depth)
