@@ -27,6 +27,8 @@ import torch
 from kvboost_core.adapters import ModelAdapter
 from kvboost_core.results import PrefillResult
 
+_HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
+
 
 @dataclass(slots=True, eq=False)
 class BatchSlot:
@@ -136,7 +138,8 @@ class BatchedDecoder:
             raise RuntimeError("the batch is full; wait for a request to leave")
         if length < 1 or capacity < length:
             raise ValueError(f"need 1 <= length <= capacity, got length={length}, capacity={capacity}")
-        self._ensure(length + 1)
+        # room for the request's first tokens now; growth past it re-allocates (rare: a zero-filled copy)
+        self._ensure(min(capacity, length + _HEADROOM))
         row = len(self._slots)
         for layer in range(self.adapter.num_layers):
             self._keys[layer][row, :, :length] = keys[layer][0, :, :length]
@@ -171,8 +174,9 @@ class BatchedDecoder:
         if capacity <= self._capacity and self._keys:
             return
         a = self.adapter
-        # doubling: a request's growth costs amortized O(1) copies per token
-        new_cap = max(capacity, min(2 * self._capacity, a.max_context or 2 * self._capacity))
+        # doubling, bounded by the largest capacity a request may reach: amortized O(1) copies per token
+        most = max([s.capacity for s in self._slots] + [capacity])
+        new_cap = max(capacity, min(2 * self._capacity, most))
         shape = (self.max_batch, a.num_kv_heads, new_cap, a.head_dim)
         # zeros, not empty: padded slots are masked, but 0 * NaN garbage would still poison the weighted sum
         keys = [torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
