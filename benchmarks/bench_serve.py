@@ -107,10 +107,25 @@ async def level(url: str, requests: list, concurrency: int, max_tokens: int) -> 
             i, msgs = queue.pop(0)
             results[i] = await one(client, msgs, max_tokens)
 
+    peak = {"batch_kv_bytes": 0.0}
+
+    async def sample() -> None:  # the batch's KV buffers while the level runs
+        import httpx
+
+        async with httpx.AsyncClient() as http:
+            while True:
+                text = (await http.get(url + "/metrics", timeout=30)).text
+                for ln in text.splitlines():
+                    if ln.startswith("kvboost_batch_kv_bytes "):
+                        peak["batch_kv_bytes"] = max(peak["batch_kv_bytes"], float(ln.split()[-1]))
+                await asyncio.sleep(0.5)
+
     before = scrape(url)
+    sampler = asyncio.create_task(sample())
     t0 = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     wall = time.perf_counter() - t0
+    sampler.cancel()
     after = scrape(url)
     await client.close()
     ok = [r for r in results if r and "error" not in r]
@@ -123,7 +138,7 @@ async def level(url: str, requests: list, concurrency: int, max_tokens: int) -> 
             "e2e_p50": pct([r["e2e"] for r in ok], 50), "e2e_p99": pct([r["e2e"] for r in ok], 99),
             "prompt_tokens_mean": statistics.fmean(r["prompt"] for r in ok) if ok else 0,
             "cached_tokens_mean": statistics.fmean(r["cached"] for r in ok) if ok else 0,
-            "batch_kv_bytes_after": after.get("kvboost_batch_kv_bytes", 0), "texts": [r.get("text") for r in results]}
+            "batch_kv_bytes_peak": peak["batch_kv_bytes"], "texts": [r.get("text") for r in results]}
 
 
 async def stall(url: str, requests: list, long_messages: list, max_tokens: int) -> dict[str, Any]:
@@ -148,11 +163,13 @@ async def stall(url: str, requests: list, long_messages: list, max_tokens: int) 
             max(during) if during else None}
 
 
-def hf_sequential(model_dir: str, requests: list, max_tokens: int) -> dict[str, Any]:
+def hf_sequential(model_dir: str, requests: list, max_tokens: int, threads: int | None = None) -> dict[str, Any]:
     """Plain HF greedy generation, one request at a time, full prefill (no reuse)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if threads:
+        torch.set_num_threads(threads)  # the same thread count as the server, for a like-for-like baseline
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ttfts, e2es, tokens = [], [], 0
@@ -258,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         result["unbatched"] = run_server_levels(model, args, 1, docs, requests, Path(tmp))
     if not args.skip_hf:
         model_dir = str(SMOLLM) if smol else str(ROOT / "kvboost_rag/assets/demo_model")
-        result["hf_sequential"] = hf_sequential(model_dir, requests[: args.requests], args.max_tokens)
+        result["hf_sequential"] = hf_sequential(model_dir, requests[: args.requests], args.max_tokens,
+                                                 args.threads)
         print(f"  HF sequential: {result['hf_sequential']}", flush=True)
     result["load_average_end"] = os.getloadavg()
     _compare(result)
