@@ -50,7 +50,8 @@ class ServerState:
                 from kvboost_rag import KVBoostRAG
 
                 eng = self.base.engine
-                engine = KVEngine(eng.model, eng.tokenizer, eng.config.with_(namespace=namespace))
+                store = namespaced_store(eng.config.store, namespace)
+                engine = KVEngine(eng.model, eng.tokenizer, eng.config.with_(namespace=namespace, store=store))
                 rag = self._rags[namespace] = KVBoostRAG(engine)
             return rag
 
@@ -58,6 +59,18 @@ class ServerState:
         with self._lock:
             rags = dict(self._rags)
         return {ns: rag.engine.store.stats() for ns, rag in rags.items()}
+
+
+def namespaced_store(spec: Any, namespace: str) -> Any:
+    """A disk tier gets a directory per namespace: keys already differ by namespace, but each disk store's
+    byte budget evicts across every file it scans, which must not be another tenant's. Memory tiers are
+    per engine anyway; Redis keys are prefixed by namespace."""
+    if isinstance(spec, str) and spec.startswith("disk:"):
+        path, sep, query = spec[len("disk:"):].partition("?")
+        return f"disk:{path.rstrip('/')}/ns-{namespace}{sep}{query}"
+    if isinstance(spec, (list, tuple)):
+        return [namespaced_store(s, namespace) for s in spec]
+    return spec
 
 
 def default_state(rag: Any, model_name: str, *, keys: dict[str, str] | None = None, max_batch: int = 8,
