@@ -131,9 +131,11 @@ async def level(url: str, requests: list, concurrency: int, max_tokens: int) -> 
     ok = [r for r in results if r and "error" not in r]
     steps = after["kvboost_decode_step_seconds_sum"] - before["kvboost_decode_step_seconds_sum"]
     dec_tokens = after["kvboost_decode_tokens_total"] - before["kvboost_decode_tokens_total"]
+    n_steps = after["kvboost_decode_step_seconds_count"] - before["kvboost_decode_step_seconds_count"]
     return {"concurrency": concurrency, "requests": len(requests), "errors": len(requests) - len(ok),
             "error_samples": [r["error"] for r in results if r and "error" in r][:3], "wall_s": wall,
             "output_tok_s": sum(r["tokens"] for r in ok) / wall, "decode_tok_s": dec_tokens / max(steps, 1e-9),
+            "mean_batch": dec_tokens / max(n_steps, 1), "decode_busy_share": steps / wall,
             "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
             "e2e_p50": pct([r["e2e"] for r in ok], 50), "e2e_p99": pct([r["e2e"] for r in ok], 99),
             "prompt_tokens_mean": statistics.fmean(r["prompt"] for r in ok) if ok else 0,
@@ -204,6 +206,36 @@ def hf_sequential(model_dir: str, requests: list, max_tokens: int, threads: int 
             "ttft_p99": pct(ttfts, 99), "e2e_p50": pct(e2es, 50), "e2e_p99": pct(e2es, 99)}
 
 
+def decode_micro(model: str, threads: int | None, contexts: tuple[int, ...] = (64, 1024, 2000),
+                 batches: tuple[int, ...] = (1, 4, 8), steps: int = 4) -> list[dict[str, Any]]:
+    """Decode-step throughput of kvboost_core.batch in process, by context length and batch size: what
+    batching buys once the batch is full (the served figures also carry prefill and partial batches)."""
+    import torch
+
+    from kvboost_core import Segment
+    from kvboost_core.batch import BatchedDecoder, prefill
+    from kvboost_rag.cli import load_engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = load_engine(model).engine
+    rows = []
+    for ctx in contexts:
+        pre = prefill(engine, [Segment(token_ids=[5] * ctx)], store_prefix=False)
+        for b in batches:
+            dec = BatchedDecoder(engine.adapter, b)
+            slots = [dec.add(pre.result.cache.keys, pre.result.cache.values, ctx, ctx + steps + 2) for _ in range(b)]
+            dec.step({s: 5 for s in slots})  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.step({s: 5 for s in slots})
+            dt = (time.perf_counter() - t0) / steps
+            rows.append({"context": ctx, "batch": b, "step_s": dt, "tok_s": b / dt,
+                         "batch_kv_bytes": dec.nbytes, "per_request_kv_bytes": dec.used_bytes() // b})
+            print(f"  decode step ctx {ctx} batch {b}: {dt * 1e3:.0f} ms, {b / dt:.1f} tok/s", flush=True)
+    return rows
+
+
 def run_server_levels(model: str, args: argparse.Namespace, max_batch: int, docs: list[str], requests: list,
                       tmp: Path) -> dict[str, Any]:
     import httpx
@@ -256,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--decode-micro", action="store_true", help="also time batched decode steps in process")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -283,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_sequential"] = hf_sequential(model_dir, requests[3: 3 + args.requests], args.max_tokens,
                                                  args.threads)
         print(f"  HF sequential: {result['hf_sequential']}", flush=True)
+    if args.decode_micro:
+        result["decode_step"] = decode_micro(model, args.threads)
     result["load_average_end"] = os.getloadavg()
     _compare(result)
     texts_kept = {k: result[k]["levels"] for k in ("batched", "unbatched")}
