@@ -139,7 +139,7 @@ class BatchedDecoder:
         if length < 1 or capacity < length:
             raise ValueError(f"need 1 <= length <= capacity, got length={length}, capacity={capacity}")
         # room for the request's first tokens now; growth past it re-allocates (rare: a zero-filled copy)
-        self._ensure(min(capacity, length + _HEADROOM))
+        self._ensure(min(capacity, length + _HEADROOM), len(self._slots) + 1)
         row = len(self._slots)
         for layer in range(self.adapter.num_layers):
             self._keys[layer][row, :, :length] = keys[layer][0, :, :length]
@@ -170,14 +170,19 @@ class BatchedDecoder:
             s.active = False
         self._slots, self._keys, self._values, self._capacity = [], [], [], 0
 
-    def _ensure(self, capacity: int) -> None:
-        if capacity <= self._capacity and self._keys:
+    def _ensure(self, capacity: int, rows: int = 0) -> None:
+        """Buffers with at least ``capacity`` slots and ``rows`` rows (both grown by doubling: one request on a
+        batch of 8 holds one row, not eight)."""
+        have_rows = self._keys[0].shape[0] if self._keys else 0
+        rows = max(rows, len(self._slots))
+        if capacity <= self._capacity and rows <= have_rows and self._keys:
             return
         a = self.adapter
         # doubling, bounded by the largest capacity a request may reach: amortized O(1) copies per token
         most = max([s.capacity for s in self._slots] + [capacity])
-        new_cap = max(capacity, min(2 * self._capacity, most))
-        shape = (self.max_batch, a.num_kv_heads, new_cap, a.head_dim)
+        new_cap = max(capacity, min(2 * self._capacity, most)) if capacity > self._capacity else self._capacity
+        new_rows = max(rows, min(2 * have_rows, self.max_batch)) if rows > have_rows else have_rows
+        shape = (new_rows, a.num_kv_heads, new_cap, a.head_dim)
         # zeros, not empty: padded slots are masked, but 0 * NaN garbage would still poison the weighted sum
         keys = [torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
         values = [torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]

@@ -86,3 +86,7 @@ def test_batch_of_one_and_validation(tokenizer, tiny_llama):
     dec.step({slot: 5})
     with pytest.raises(RuntimeError, match="capacity"):
         dec.step({slot: 5})
+    # one request on a batch of 8 holds one row of n + 1 slots, not eight rows
+    wide = BatchedDecoder(engine.adapter, 8)
+    wide.add(pre.result.cache.keys, pre.result.cache.values, n, n + 1)
+    assert wide.nbytes * n == wide.used_bytes() * (n + 1)
