@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kvboost-rag", description="KV cache reuse for RAG on local HF models.",
                epilog="Errors print one line; add --debug (anywhere) for the full traceback.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench}",
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench,serve}",
                            parser_class=Parser)
 
     d = sub.add_parser("demo", help="LangChain RAG chat over the bundled English corpus on a real instruct model: "
@@ -395,10 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench; bench --help)",
                    add_help=False)
+    from kvboost_rag.server.main import add_arguments as serve_arguments  # argparse only; FastAPI loads later
+
+    serve_arguments(sub.add_parser("serve", help="OpenAI-compatible server with continuous batching"))
     return p
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from kvboost_rag.server.main import run
+
+    return run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return run_serve(args)
     set_threads(args.threads, args.model)
     if args.command == "demo":
         return run_demo(args)

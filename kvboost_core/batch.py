@@ -1,0 +1,242 @@
+"""Batched decode over several requests' caches (iteration-level / continuous batching).
+
+Each request is prefilled on its own (with reuse and repair, see ``engine._prefill``); its assembled KV is then
+copied once into a row of a shared ``(rows, H_kv, T, D)`` buffer per layer and the request decodes with the
+others, one token per request per step, until it leaves. Requests have different lengths: row ``i`` attends to
+slots ``[0, pos_i]`` only, through an explicit mask, so padding is never attended and a request's logits do not
+depend on its neighbours (up to the summation order of batched matmuls; see tests/test_server_batch.py).
+
+Design choices, and why:
+
+- One copy per request at admission: document KV from the store is already copied into each request's
+  assembled cache by ``place`` (it is re-rotated per request, so it cannot be shared as is); the batch buffer
+  then holds it for the request's lifetime and the prefill buffer is freed.
+- Active rows are kept contiguous (``0..n-1``): a leaving request's row is filled by the last row, so every
+  step reads ``buf[:n, :, :L]``, a view, never a gather.
+- The buffer grows (doubling, re-allocated and copied) when the longest active request outgrows it: memory
+  follows the longest active request's current length, not its token limit or the model's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvboost_core.adapters import ModelAdapter
+from kvboost_core.results import PrefillResult
+
+_HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
+
+
+@dataclass(slots=True, eq=False)
+class BatchSlot:
+    """A request's place in the batch: ``row`` changes when other requests leave; ``length`` is the number of
+    valid slots (the next token is written at ``length``)."""
+
+    row: int
+    length: int
+    capacity: int  # the request never holds more than this many slots (prompt + max new tokens)
+    active: bool = True
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt prefilled for the batch: its result (ids, first logits, stats) and the prefix to store."""
+
+    result: PrefillResult
+    _engine: Any
+    _plan: Any
+    _cache: Any
+    _spec: Any
+    _store_prefix: bool | None
+
+    def store_prefix(self) -> None:
+        """Store the prompt's chunks under prefix keys (after the first token: not on the TTFT path)."""
+        self._engine._store_prefix(self._plan, self._cache, self._spec, self._store_prefix)
+        self._cache = None  # the batch holds its own copy of the KV
+
+
+def prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None, store_prefix: bool | None = None,
+            repair: str | None = None, recompute_ratio: float | None = None, select: str | None = None,
+            check_layer: int | None = None) -> Prefilled:
+    """``engine``'s own prefill (lookup, placement, repair) of ``prompt``, sized to the prompt alone: the batch
+    copies the KV into its buffers, so the prefill buffer needs no room for new tokens."""
+    import time
+
+    spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
+    result, plan, cache = engine._prefill(prompt, spec, 0, add_special_tokens, time.perf_counter())
+    return Prefilled(result, engine, plan, cache, spec, store_prefix)
+
+
+class _BatchCache:
+    """Duck-typed HF cache for one batched step: writes each row's new K/V at its own position and returns the
+    buffers up to the longest row (shorter rows are masked)."""
+
+    is_compileable = False
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: torch.Tensor,
+                 positions: torch.Tensor, length: int) -> None:
+        self.keys, self.values = keys, values
+        self.rows, self.positions, self.length = rows, positions, length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.rows.numel()
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        # (n, H, 1, D) -> buf[row_i, :, pos_i]; two advanced indices around a slice index as (n, H, D)
+        k_buf[self.rows, :, self.positions] = key_states[:, :, 0].to(k_buf.dtype)
+        v_buf[self.rows, :, self.positions] = value_states[:, :, 0].to(v_buf.dtype)
+        return k_buf[:n, :, : self.length], v_buf[:n, :, : self.length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+class BatchedDecoder:
+    """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step."""
+
+    def __init__(self, adapter: ModelAdapter, max_batch: int) -> None:
+        if not adapter.layerwise:
+            raise ValueError("batched decode needs a layer-wise model adapter (a Llama-like RoPE family); this "
+                             "model runs through HF's own forward (prefix-only reuse)")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self.adapter = adapter
+        self.max_batch = max_batch
+        self._slots: list[BatchSlot] = []
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._capacity = 0
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the batch buffers (all rows, allocated capacity)."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def used_bytes(self) -> int:
+        """Bytes of the slots requests actually hold (their current lengths)."""
+        if not self._keys:
+            return 0
+        per_slot = 2 * self.adapter.num_layers * self.adapter.num_kv_heads * self.adapter.head_dim
+        return per_slot * self._keys[0].element_size() * sum(s.length for s in self._slots)
+
+    @torch.inference_mode()  # the buffers are inference tensors (allocated in step): write them in the same mode
+    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int, capacity: int) -> BatchSlot:
+        """Copy a prefilled request's KV (per layer ``(1, H, >=length, D)``) into a free row."""
+        if not self.free:
+            raise RuntimeError("the batch is full; wait for a request to leave")
+        if length < 1 or capacity < length:
+            raise ValueError(f"need 1 <= length <= capacity, got length={length}, capacity={capacity}")
+        # room for the request's first tokens now; growth past it re-allocates (rare: a zero-filled copy)
+        self._ensure(min(capacity, length + _HEADROOM), len(self._slots) + 1)
+        row = len(self._slots)
+        for layer in range(self.adapter.num_layers):
+            self._keys[layer][row, :, :length] = keys[layer][0, :, :length]
+            self._values[layer][row, :, :length] = values[layer][0, :, :length]
+        slot = BatchSlot(row, length, capacity)
+        self._slots.append(slot)
+        return slot
+
+    @torch.inference_mode()
+    def remove(self, slot: BatchSlot) -> None:
+        """Free ``slot``'s row; the last row moves into it so active rows stay contiguous."""
+        if not slot.active:
+            return
+        slot.active = False
+        last = self._slots.pop()
+        if last is not slot:
+            n = last.length
+            for buf in (*self._keys, *self._values):
+                buf[slot.row, :, :n] = buf[last.row, :, :n]
+            last.row = slot.row
+            self._slots[slot.row] = last
+        if not self._slots:
+            self._keys, self._values, self._capacity = [], [], 0  # idle: give the memory back
+
+    def reset(self) -> None:
+        """Drop every request and the buffers (after a failed step, whose state is unknown)."""
+        for s in self._slots:
+            s.active = False
+        self._slots, self._keys, self._values, self._capacity = [], [], [], 0
+
+    def _ensure(self, capacity: int, rows: int = 0) -> None:
+        """Buffers with at least ``capacity`` slots and ``rows`` rows (both grown by doubling: one request on a
+        batch of 8 holds one row, not eight)."""
+        have_rows = self._keys[0].shape[0] if self._keys else 0
+        rows = max(rows, len(self._slots))
+        if capacity <= self._capacity and rows <= have_rows and self._keys:
+            return
+        a = self.adapter
+        # doubling, bounded by the largest capacity a request may reach: amortized O(1) copies per token
+        most = max([s.capacity for s in self._slots] + [capacity])
+        new_cap = max(capacity, min(2 * self._capacity, most)) if capacity > self._capacity else self._capacity
+        new_rows = max(rows, min(2 * have_rows, self.max_batch)) if rows > have_rows else have_rows
+        shape = (new_rows, a.num_kv_heads, new_cap, a.head_dim)
+        # zeros, not empty: padded slots are masked, but 0 * NaN garbage would still poison the weighted sum
+        keys = [torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
+        values = [torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
+        n, old = len(self._slots), self._capacity
+        for new, cur in zip((*keys, *values), (*self._keys, *self._values)):
+            new[:n, :, :old] = cur[:n]
+        self._keys, self._values, self._capacity = keys, values, new_cap
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def step(self, tokens: dict[BatchSlot, int]) -> dict[BatchSlot, torch.Tensor]:
+        """Run one token for every active slot (``tokens[slot]`` is written at ``slot.length``); returns each
+        slot's next-token logits (vocab,) in fp32. Every active slot must be given a token."""
+        if len(tokens) != len(self._slots) or any(s not in tokens for s in self._slots):
+            raise ValueError("step needs exactly one token for every active slot")
+        for s in self._slots:
+            if s.length >= s.capacity:
+                raise RuntimeError(f"a request reached its capacity of {s.capacity} slots; it must leave first")
+        a = self.adapter
+        n = len(self._slots)
+        dev = a.device
+        self._ensure(max(s.length for s in self._slots) + 1)
+        ids = torch.tensor([tokens[s] for s in self._slots], device=dev).view(n, 1)
+        pos = torch.tensor([s.length for s in self._slots], device=dev)
+        length = int(pos.max()) + 1
+        hidden = a.inner.embed_tokens(ids)  # (n, 1, hidden)
+        cos_sin = a.inner.rotary_emb(hidden, position_ids=pos.view(n, 1))
+        cache = _BatchCache(self._keys, self._values, torch.arange(n, device=dev), pos, length)
+        masks = self._masks(pos, length)
+        for layer in range(a.num_layers):
+            out = a.inner.layers[layer](hidden, attention_mask=masks[a.windows[layer]], position_embeddings=cos_sin,
+                                        position_ids=pos.view(n, 1), cache=cache, use_cache=True)
+            hidden = out[0] if isinstance(out, tuple) else out
+        logits = a.logits(hidden)[:, -1].float()  # (n, vocab)
+        result = {}
+        for i, s in enumerate(self._slots):
+            s.length += 1
+            result[s] = logits[i]
+        return result
+
+    def _masks(self, pos: torch.Tensor, length: int) -> dict[int | None, torch.Tensor]:
+        """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding."""
+        a = self.adapter
+        k_pos = torch.arange(length, device=pos.device).view(1, -1)
+        q_pos = pos.view(-1, 1)
+        out: dict[int | None, torch.Tensor] = {}
+        for window in set(a.windows):
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= k_pos > (q_pos - window)
+            allowed = allowed.view(pos.numel(), 1, 1, length)  # (n, 1, 1, T)
+            if a.model.config._attn_implementation == "eager":
+                neg = torch.finfo(a.dtype).min
+                out[window] = torch.zeros(allowed.shape, dtype=a.dtype, device=pos.device).masked_fill(~allowed, neg)
+            else:
+                out[window] = allowed
+        return out

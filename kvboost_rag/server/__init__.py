@@ -1,0 +1,6 @@
+"""``kvboost-rag serve``: an OpenAI-compatible HTTP server with continuous batching and per-tenant KV reuse.
+
+Modules: ``protocol`` (wire format), ``scheduler`` (the batching loop on the engine thread), ``app`` (routes),
+``auth`` (API keys → namespaces), ``metrics`` (Prometheus), ``state`` (what routes share), ``main`` (the
+command). Importing this package is cheap; FastAPI and uvicorn load when the server is built.
+"""

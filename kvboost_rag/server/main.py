@@ -1,0 +1,105 @@
+"""The ``kvboost-rag serve`` command: arguments and start-up. Heavy imports happen inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="HF model path or id (default: the embedded demo model)")
+    p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
+                                                "the server has no authentication, so keep it on loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--store", default="memory", help="KV store spec: memory, disk:/path, redis://host:6379/0")
+    p.add_argument("--namespace-keys", default=None, metavar="FILE",
+                   help="JSON/YAML {api_key: namespace}: requires a key; each namespace has its own cache")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (1 turns batching off)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
+    p.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature when a request gives none (OpenAI's default is 1.0; 0 is greedy)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
+    p.add_argument("--access-log", action="store_true", help="log one line per request (never bodies)")
+    p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow decode
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_batch", "port"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0 or args.request_timeout <= 0 or not 0 <= args.default_temperature <= 2:
+        raise SystemExit("--max-queue must be >= 0, --request-timeout > 0, --default-temperature in [0, 2]")
+
+
+def build(args: argparse.Namespace) -> tuple[Any, str]:
+    """(the FastAPI app, the host to bind)."""
+    from kvboost_rag import KVBoostRAG
+    from kvboost_rag.cli import load_engine
+    from kvboost_rag.server.app import create_app
+    from kvboost_rag.server.auth import load_key_file
+    from kvboost_rag.server.state import default_state
+
+    _check(args)
+    try:
+        keys = load_key_file(args.namespace_keys) if args.namespace_keys else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    host = args.host or LOOPBACK
+    if keys is None:
+        if args.host is None:
+            print(f"kvboost-rag serve: no --namespace-keys, so no authentication: bound to {LOOPBACK} only",
+                  file=sys.stderr)
+        elif not _is_loopback(host):
+            print(f"kvboost-rag serve: WARNING: serving on {host} without --namespace-keys: anyone who can "
+                  "reach it can use the model and read its cache statistics", file=sys.stderr)
+    loaded = load_engine(args.model, store=args.store)
+    name = args.served_model_name or args.model
+    aliases = (args.model, loaded.label, Path(args.model).name)
+    state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,
+                          max_queue=args.max_queue, request_timeout=args.request_timeout,
+                          step_delay=args.debug_step_delay, aliases=aliases)
+    state.default_temperature = args.default_temperature
+    return create_app(state), host
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise SystemExit(f"the server needs its extra: pip install 'kvboost-rag[serve]' ({exc})") from None
+    app, host = build(args)
+    print(f"kvboost-rag serve: {app.state.kv.model_name} on http://{host}:{args.port}/v1 "
+          f"(max batch {args.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=args.port, log_level="warning", access_log=args.access_log)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvboost-rag serve")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    from kvboost_rag.cli import set_threads
+
+    set_threads(args.threads, args.model)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Continuous batching at iteration level (Orca / vLLM style), on one engine thread.
+
+Each loop iteration: run queued tasks (document warming), drop cancelled requests, admit at most one waiting
+request (its prefill, with reuse, runs between two decode steps: that bounds the stall a long prompt causes the
+running requests to one prefill), then one batched decode step for every running request. A request leaves at
+EOS, at a stop string, at its token limit, or when its client goes away (``cancel``).
+
+All model work happens on this one thread, so the engines (one per namespace, sharing the model) are never
+driven concurrently. Requests talk to their HTTP handler through ``emit(kind, payload)``, which the handler
+makes thread-safe (``loop.call_soon_threadsafe``). Events: ``("start", Started)`` once the prompt is
+prefilled, ``("text", str)`` pieces, then ``("done", Finished)`` or ``("error", APIError)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvboost_core.batch import BatchedDecoder, BatchSlot, prefill
+from kvboost_core.decode import SamplingParams, TextStream, sample
+from kvboost_rag.server.protocol import APIError
+
+log = logging.getLogger("kvboost_rag.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the cache (exact prefix or re-placed documents)
+    ttft_s: float  # from submission (queue wait included) to the first token
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: str  # "eos", "stop" or "length"
+    completion_tokens: int
+    text: str
+
+
+@dataclass(slots=True, eq=False)
+class GenRequest:
+    rag: Any  # KVBoostRAG of the request's namespace
+    params: SamplingParams
+    emit: Callable[[str, Any], None]
+    prompt: str | None = None  # a completion prompt, or
+    messages: list[dict[str, str]] | None = None  # chat messages, rendered with the model's chat template
+    fill_context: bool = False  # no token limit given: generate up to the end of the context
+    ignore_eos: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    # set by the scheduler
+    slot: BatchSlot | None = None
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    generated: list[int] = field(default_factory=list)
+    next_token: int = -1
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
+                 step_delay: float = 0.0) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        self.decoder = BatchedDecoder(adapter, max_batch)
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.step_delay = step_delay  # tests only: slows decode so backpressure can be observed deterministically
+        self._pending: collections.deque[GenRequest] = collections.deque()
+        self._running: dict[BatchSlot, GenRequest] = {}
+        self._tasks: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
+        self._tokens_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+
+    # ------------------------------------------------------------------ public (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cv:
+            if len(self._pending) >= self.max_queue and not (self.decoder.free and not self._pending):
+                raise QueueFull
+            self._pending.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        req.cancelled = True  # read by the engine thread at the next iteration
+        with self._cv:
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between iterations (e.g. warming); returns a Future."""
+        fut: Future = Future()
+        with self._cv:
+            self._tasks.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the last steps (0 when idle)."""
+        w = list(self._tokens_window)
+        if len(w) < 2 or time.perf_counter() - w[-1][0] > 5.0:
+            return 0.0
+        return sum(n for _, n in w[1:]) / max(w[-1][0] - w[0][0], 1e-9)
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._tasks or self._running or self._pending):
+                    self._cv.wait(timeout=1.0)
+                if self._stop:
+                    break
+                task = self._tasks.popleft() if self._tasks else None
+                req = self._pending.popleft() if self._pending and self.decoder.free else None
+            if task is not None:
+                self._run_task(*task)
+            try:
+                self._drop_cancelled()
+                if req is not None:
+                    self._admit(req)
+                if self._running:
+                    self._step()
+            except Exception as exc:  # the loop must survive anything: fail the requests it holds, go on
+                log.error("scheduler iteration failed: %s; failing %d running requests", type(exc).__name__,
+                          len(self._running))
+                self._fail_running()
+        for r in [*self._pending, *self._running.values()]:
+            r.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+
+    def _fail_running(self) -> None:
+        for slot, r in list(self._running.items()):
+            r.emit("error", APIError(500, "the engine failed while decoding", type="server_error"))
+            self._running.pop(slot, None)
+        self.decoder.reset()
+
+    def _run_task(self, fn: Callable[[], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # handed to the caller's thread
+            fut.set_exception(exc)
+
+    def _drop_cancelled(self) -> None:
+        for slot, r in list(self._running.items()):
+            if r.cancelled:
+                self._leave(slot)
+        with self._cv:
+            if any(r.cancelled for r in self._pending):
+                self._pending = collections.deque(r for r in self._pending if not r.cancelled)
+
+    def _leave(self, slot: BatchSlot) -> None:
+        self._running.pop(slot, None)
+        self.decoder.remove(slot)
+
+    def _admit(self, r: GenRequest) -> None:
+        if r.cancelled:
+            return
+        try:
+            if r.messages is not None:  # exactly as ChatKVBoost renders and tokenizes a chat prompt
+                prompt = r.rag.chat_prompt(r.messages)
+                special: bool | None = r.rag.chat_add_special_tokens(prompt)
+            else:
+                prompt, special = r.prompt or "", None
+            plan = r.rag.plan(prompt, add_special_tokens=special)
+            n_prompt = sum(len(s.token_ids) if s.token_ids is not None else 0 for s in plan.segments)
+            ctx = r.rag.engine.adapter.max_context
+            if r.fill_context:
+                r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
+            self._check_limits(r, n_prompt)
+            pre = prefill(r.rag.engine, plan.segments, add_special_tokens=False)
+        except APIError as exc:
+            r.emit("error", exc)
+            return
+        except ValueError as exc:  # the engine's own checks (context length, empty prompt) are the client's
+            r.emit("error", APIError(400, str(exc), param="messages"))
+            return
+        except Exception as exc:
+            log.error("prefill failed: %s", type(exc).__name__)  # never the prompt
+            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+            return
+        res = pre.result
+        n = len(res.token_ids)
+        if r.params.seed is not None:
+            r.generator = torch.Generator(device=res.last_logits.device).manual_seed(r.params.seed)
+        token = sample(res.last_logits, r.params, r.generator)
+        cached = int(res.stats.get("reused_exact", 0)) + int(res.stats.get("reused_approx", 0))
+        ttft = time.perf_counter() - r.submitted
+        r.emit("start", Started(prompt_tokens=n, cached_tokens=cached, ttft_s=ttft))
+        if self.metrics is not None:
+            self.metrics.on_start(ttft, n, cached)
+        try:
+            pre.store_prefix()  # after the first token: not on the TTFT path
+        except Exception as exc:  # a failing store tier must not fail the request
+            log.warning("storing the prompt prefix failed: %s", type(exc).__name__)
+        r.stream = TextStream(r.rag.tokenizer, r.params.stop)
+        try:
+            r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
+        except Exception as exc:  # e.g. out of memory for the batch buffers
+            log.error("joining the batch failed: %s", type(exc).__name__)
+            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+            return
+        self._running[r.slot] = r
+        if self._accept(r, token):
+            self._leave(r.slot)
+
+    def _check_limits(self, r: GenRequest, n_prompt: int) -> None:
+        ctx = r.rag.engine.adapter.max_context
+        if ctx and n_prompt + r.params.max_new_tokens > ctx:
+            param = "messages" if n_prompt >= ctx else "max_tokens"
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {n_prompt} tokens and "
+                                f"{r.params.max_new_tokens} new tokens were requested ({n_prompt} + "
+                                f"{r.params.max_new_tokens} > {ctx}); shorten the prompt or lower max_tokens",
+                           param=param, code="context_length_exceeded")
+
+    def _accept(self, r: GenRequest, token: int) -> bool:
+        """Record a generated token; True when the request is finished (and its "done" event sent)."""
+        assert r.stream is not None and r.slot is not None
+        r.generated.append(token)
+        reason = None
+        if not r.ignore_eos and token in r.rag.engine._eos:
+            reason = "eos"
+        else:
+            piece = r.stream.push(token)
+            if piece:
+                r.emit("text", piece)
+            if r.stream.stopped:
+                reason = "stop"
+            elif len(r.generated) >= r.params.max_new_tokens or r.slot.length >= r.slot.capacity:
+                reason = "length"
+        if reason is None:
+            r.next_token = token
+            return False
+        tail = r.stream.flush()
+        if tail:
+            r.emit("text", tail)
+        r.emit("done", Finished(reason, len(r.generated), r.stream.text))
+        if self.metrics is not None:
+            self.metrics.on_finish(time.perf_counter() - r.submitted, len(r.generated))
+        return True
+
+    def _step(self) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        t0 = time.perf_counter()
+        try:
+            logits = self.decoder.step({s: r.next_token for s, r in self._running.items()})
+        except Exception as exc:
+            log.error("decode step failed: %s; failing the %d running requests", type(exc).__name__,
+                      len(self._running))
+            self._fail_running()
+            return
+        finished = [s for s, r in list(self._running.items())
+                    if self._accept(r, sample(logits[s], r.params, r.generator))]
+        for slot in finished:
+            self._leave(slot)
+        now = time.perf_counter()
+        self._tokens_window.append((now, len(logits)))
+        if self.metrics is not None:
+            self.metrics.on_step(now - t0, len(logits))
