@@ -338,7 +338,12 @@ def _print_quality(q: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0])
+    if argv and argv[0] == "rag":  # the real-model RAG answers benchmark has its own options
+        from kvboost_rag import bench_rag
+
+        return bench_rag.main(argv[1:])
+    ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0],
+                                 epilog="kvboost-rag bench rag --help: the real-model RAG answers benchmark")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="a local HF model directory")
     src.add_argument("--shape", default="qwen2.5-0.5b", help=f"random-weight shape: {', '.join(SHAPES)}")

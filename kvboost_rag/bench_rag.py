@@ -43,6 +43,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "cacheblend-0.15": {"repair": "cacheblend", "recompute_ratio": 0.15},
     "cacheblend-0.3": {"repair": "cacheblend", "recompute_ratio": 0.3},
     "cacheblend-0.5": {"repair": "cacheblend", "recompute_ratio": 0.5},
+    "cacheblend-0.7": {"repair": "cacheblend", "recompute_ratio": 0.7},
+    # the ideas measured on the tune split (README, "Real-model answers")
+    "c3r30": {"repair": "cacheblend", "recompute_ratio": 0.3, "check_layer": 3},
+    "c3r50": {"repair": "cacheblend", "recompute_ratio": 0.5, "check_layer": 3},
+    "q30": {"repair": "cacheblend", "recompute_ratio": 0.3, "query_tokens": 8},
+    "q15": {"repair": "cacheblend", "recompute_ratio": 0.15, "query_tokens": 32},
+    "m50": {"repair": "cacheblend", "recompute_ratio": 0.1, "recompute_mass": 0.5},
     "default": {},
 }
 
@@ -188,6 +195,90 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             "rows": {s: [asdict(x) for x in r] for s, r in rows.items()}}
 
 
+def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, Any]], rounds: int = 2,
+              seed: int = 1) -> dict[str, Any]:
+    """TTFT of long RAG chats (``k`` held-out documents each), side by side in this process: plain HF full
+    prefill (``logits_to_keep=1``, from the call's start) against each setting through the transparent path.
+    Medians over ``rounds`` per prompt, then over prompts; speedup = full / reuse."""
+    from kvboost_rag import rag_corpus as rc
+
+    corpus = rc.load_corpus("eval")
+    rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
+    eng = rag.engine
+    rows: dict[str, list[float]] = {"full": [], **{s: [] for s in settings}}
+    lengths = []
+    for q, docs in rc.retrieval_sets(corpus, k, seed)[:n_prompts]:
+        prompt = rag.chat_prompt(messages(q.question, [rc.doc_text(d) for d in docs]))
+        special = rag.chat_add_special_tokens(prompt)
+        ids = rag.encode(prompt, special)
+        lengths.append(len(ids))
+        per: dict[str, list[float]] = {s: [] for s in rows}
+        for _ in range(rounds):
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                eng.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+                per["full"].append(time.perf_counter() - t0)
+            for name, kw in settings.items():
+                res = rag.generate(prompt, max_new_tokens=1, add_special_tokens=special, store_prefix=False, **kw)
+                per[name].append(res.stats["ttft_s"])
+        for s, v in per.items():
+            rows[s].append(statistics.median(v))
+    full = statistics.median(rows["full"])
+    return {"k": k, "prompts": n_prompts, "rounds": rounds, "prompt_tokens_median": statistics.median(lengths),
+            "ttft_s": {s: statistics.median(v) for s, v in rows.items()},
+            "speedup": {s: full / statistics.median(v) for s, v in rows.items() if s != "full"},
+            "settings": settings}
+
+
+def merge_runs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs over disjoint question slices (same split, k and settings): rows are concatenated
+    and every summary is recomputed from them (TTFT medians and speedups included)."""
+    if not parts:
+        raise ValueError("parts must hold at least one run")
+    first = parts[0]
+    rows: dict[str, list[Row]] = {}
+    for part in parts:
+        if (part["split"], part["k"], list(part["rows"])) != (first["split"], first["k"], list(first["rows"])):
+            raise ValueError("parts differ in split, k or settings")
+        for s, rs in part["rows"].items():
+            rows.setdefault(s, []).extend(Row(**r) for r in rs)
+    full_ttft = statistics.median(r.ttft_s for r in rows["full"])
+    out = dict(first, questions=sum(p["questions"] for p in parts),
+               prompt_tokens_median=statistics.median(p["prompt_tokens_median"] for p in parts))
+    out["summary"] = {s: asdict(summarize(s, r, full_ttft)) for s, r in rows.items()}
+    out["rows"] = {s: [asdict(x) for x in r] for s, r in rows.items()}
+    return out
+
+
+def plot_curve(result: dict[str, Any], path: str) -> None:
+    """Recompute share against same-answer rate, accuracy and speedup, one point per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted(((m["recompute"], m["same_answer"], m["accuracy"], m["speedup"], s)
+                  for s, m in result["summary"].items() if s != "full"))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [p[0] * 100 for p in pts]
+    a1.plot(xs, [p[1] * 100 for p in pts], "o-", label="same answer as full prefill")
+    a1.plot(xs, [p[2] * 100 for p in pts], "s-", label="accuracy")
+    a1.axhline(result["summary"]["full"]["accuracy"] * 100, color="gray", ls="--", label="accuracy, full prefill")
+    for x, p in zip(xs, pts):
+        a1.annotate(p[4], (x, p[1] * 100), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    a1.set_xlabel("prompt tokens recomputed (%)")
+    a1.set_ylabel("% of questions")
+    a1.legend(fontsize=8)
+    a2.plot(xs, [p[3] for p in pts], "o-")
+    a2.set_xlabel("prompt tokens recomputed (%)")
+    a2.set_ylabel("TTFT speedup (full / reuse)")
+    fig.suptitle(f"{result['questions']} {result['split']} questions, k={result['k']} "
+                 f"(~{int(result['prompt_tokens_median'])} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(f"split={result['split']} k={result['k']} questions={result['questions']} "
           f"prompt tokens (median)={result['prompt_tokens_median']}")
@@ -208,7 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--warm-prefix", default=None, help="engine warm_prefix ('chat': behind the template's head)")
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--ttft-k", type=int, default=0,
+                    help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
+    ap.add_argument("--ttft-prompts", type=int, default=4, help="prompts for --ttft-k (default 4)")
+    ap.add_argument("--start", type=int, default=0, help="first question index (to split a run)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="instead of running: merge result files of disjoint question slices")
+    ap.add_argument("--plot", dest="plot_path", help="recompute share vs same answer / accuracy / speedup")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,13 +318,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen[s] = SETTINGS[s]
     from kvboost_rag import KVBoostRAG
 
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu")
-    result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens)
-    print_table(result)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=1)
+    if args.merge:
+        parts = []
+        for f in args.merge:
+            with open(f) as fh:
+                parts.append(json.load(fh))
+        result = merge_runs(parts)
+        print_table(result)
+        _save(result, args.json_path, args.plot_path)
+        return 0
+    rag = KVBoostRAG.from_model_id(args.model, device="cpu", warm_prefix=args.warm_prefix)
+    if args.ttft_k:
+        result = ttft_long(rag, args.ttft_k, args.ttft_prompts, chosen)
+        print(f"{result['prompt_tokens_median']} prompt tokens (median), {args.ttft_prompts} prompts")
+        for s, t in result["ttft_s"].items():
+            sp = result["speedup"].get(s)
+            print(f"  {s:<22} TTFT {t:.3f} s" + (f"  {sp:.2f}x faster" if sp else ""))
+    else:
+        result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens, start=args.start)
+        print_table(result)
+    _save(result, args.json_path, None if args.ttft_k else args.plot_path)
     return 0
+
+
+def _save(result: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        plot_curve(result, plot_path)
 
 
 if __name__ == "__main__":
