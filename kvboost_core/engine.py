@@ -6,6 +6,7 @@ re-rotated) → repair (a compute schedule) → logits → decode.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -52,6 +53,8 @@ from kvboost_core.segments import (
 )
 from kvboost_core.store import DensePayload, KVBlock
 from kvboost_core.store.factory import build_store
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -214,7 +217,7 @@ class KVEngine:
         so a document's first tokens do not become a second attention sink)."""
         t0 = time.perf_counter()
         segments = normalize_prompt(docs)
-        warmed = already = chunks = tokens = nbytes = 0
+        warmed = already = chunks = tokens = nbytes = not_stored = 0
         doc_ids: list[list[int]] = []
         for seg in segments:
             ids = list(seg.token_ids) if seg.token_ids is not None else self._encode(seg.text or "")
@@ -240,16 +243,26 @@ class KVEngine:
             ids_t = torch.tensor(full, device=self.adapter.device)
             positions = torch.arange(len(full), device=ids_t.device)  # the lead-in is computed, not stored
             run_forward(self.adapter, ids_t, cache, Schedule(base=positions, candidates=positions[:0]), len(full))
+            stored_all = True
             for (a, b), key in zip(spans, keys):
                 block = self._block(cache, ids[a:b], len(prefix) + a, kind="content", parent=None)
                 if self.store.put(key, block):
                     nbytes += block.nbytes
-                chunks += 1
-            warmed += 1
-            tokens += len(ids)
+                    chunks += 1
+                else:  # the budget is full of entries it may not evict (pinned, or larger than the budget)
+                    stored_all = False
+            if stored_all:
+                warmed += 1
+                tokens += len(ids)
+            else:
+                not_stored += 1
+        if not_stored:
+            log.warning("kvboost: %d of %d documents were computed but not stored (the cache budget is full of "
+                        "entries it may not evict); raise max_cache_bytes", not_stored, len(segments))
         self._counters.add(warmed_tokens=tokens)
         return WarmResult(documents=len(segments), warmed=warmed, already_warm=already, chunks=chunks,
-                          tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids)
+                          tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids,
+                          not_stored=not_stored)
 
     def _holds_content(self, key: Any, ids: Sequence[int]) -> bool:
         """The store serves this chunk's own KV under ``key`` (a key alone may collide)."""

@@ -45,13 +45,14 @@ class GenerationResult:
 @dataclass(frozen=True, slots=True)
 class WarmResult:
     documents: int
-    warmed: int  # documents computed now
+    warmed: int  # documents computed now and stored whole
     already_warm: int  # documents whose chunks were all present: cost a lookup
-    chunks: int
-    tokens: int
+    chunks: int  # chunks stored now
+    tokens: int  # tokens of the documents counted in ``warmed``
     bytes: int
     seconds: float
     doc_token_ids: list[list[int]] = field(default_factory=list)
+    not_stored: int = 0  # documents computed but not (wholly) stored: the budget held nothing it could evict
 
 
 class Counters:

@@ -199,3 +199,19 @@ def test_prefix_hits_survive_the_disk_tier(tiny_llama, tokenizer, tmp_path):
     second = engine_for(tiny_llama, tokenizer, store=f"disk:{tmp_path}").prefill(prompt)
     assert second.stats["reused_exact"] >= second.stats["prompt_tokens"] - 16
     assert (first.last_logits - second.last_logits).abs().max().item() < 1e-4
+
+
+def test_warm_does_not_report_documents_a_full_budget_refused(tiny_llama, tokenizer, caplog):
+    """A budget full of pinned entries stores nothing: warm() says so instead of counting the documents warmed."""
+    eng = engine_for(tiny_llama, tokenizer, max_cache_bytes=2_000_000)
+    eng.warm(CORPUS[:1])
+    store = eng.store.tiers[0] if hasattr(eng.store, "tiers") else eng.store
+    filler = next(iter(store._blocks.values()))
+    eng.clear()
+    for i in range(eng.config.max_cache_bytes // filler.nbytes):  # the whole budget pinned
+        assert store.put(keys_mod.content_key(eng.config.namespace, eng.fingerprint, [10_000 + i]), filler,
+                         pin=True)
+    with caplog.at_level("WARNING", logger="kvboost_core.engine"):
+        res = eng.warm(CORPUS[1:3])
+    assert res.warmed == 0 and res.not_stored == 2 and res.chunks == 0 and res.tokens == 0
+    assert "not stored" in caplog.text
