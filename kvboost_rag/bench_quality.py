@@ -98,7 +98,7 @@ def story_prompts(docs: list[str], cues: list[str], n: int, seed: int = 7) -> li
 
 
 def stories_heldout(path: Path | str | None, n_prompts: int = 24,
-                    repairs: tuple[str, ...] = ("none", "selective", "cacheblend")) -> dict[str, Any]:
+                    repairs: tuple[str, ...] = ("none", "selective", "cacheblend"), **repair_kw: Any) -> dict[str, Any]:
     """``verify`` at engine defaults over held-out stories (``assets/stories_eval/heldout.json``, never used to
     tune a setting): the figure that shows whether the defaults carry over to documents nobody tuned on."""
     import json
@@ -112,5 +112,5 @@ def stories_heldout(path: Path | str | None, n_prompts: int = 24,
     engine = load_engine(str(p)).engine
     engine.warm(data["documents"])
     rep = engine.verify(story_prompts(data["documents"], data["cues"], n_prompts), repairs=repairs,
-                        max_new_tokens=8)
+                        max_new_tokens=8, **repair_kw)
     return {"model": str(p), "prompts": n_prompts, "documents": len(data["documents"]), "summary": rep.summary()}
