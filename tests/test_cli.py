@@ -48,11 +48,19 @@ def test_demo_runs_end_to_end(capsys):
         assert "tiny random model" in out
 
 
-def test_demo_on_another_model_without_answers(tiny_dir, capsys):
+def test_demo_on_another_chat_model(tiny_dir, capsys):
+    """A model with a chat template gets the chat demo (the tiny model's answers are noise; the run is real)."""
     pytest.importorskip("langchain_classic")
-    assert cli.main(["demo", "--model", str(tiny_dir), "--questions", "1", "--no-progress", "--threads", "1"]) == 0
+    assert cli.main(["demo", "--model", str(tiny_dir), "--questions", "1", "--top-k", "2", "--no-progress",
+                     "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "A (reuse)" in out and "n/a" in out  # a generic model gets generic questions with no key
+    assert "A (reuse)" in out and "A (full)" in out and "2 warmed documents found" in out
+    assert "x faster (full/reuse)" in out
+
+
+def test_demo_context_overflow_is_one_line(tiny_dir, capsys):
+    assert cli.main(["demo", "--model", str(tiny_dir), "--questions", "1", "--no-progress", "--threads", "1"]) == 2
+    assert "context is 2048 tokens" in capsys.readouterr().err
 
 
 def test_warm_to_disk_store(tiny_dir, tmp_path, capsys):

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="HF model path or id (default: the embedded demo model)")
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
                                                 "the server has no authentication, so keep it on loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--store", default="memory", help="KV store spec: memory, disk:/path, redis://host:6379/0")
     p.add_argument("--namespace-keys", default=None, metavar="FILE",
                    help="JSON/YAML {api_key: namespace}: requires a key; each namespace has its own cache")
