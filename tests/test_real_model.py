@@ -1,8 +1,9 @@
 """The real instruct model (SmolLM2-135M-Instruct) through the transparent chat path, against plain HF.
 
 Skips where the model's package is absent (``make install`` installs it). The questions are the first of the
-held-out set's retrieval sets (k=6), so this is a small slice of what ``python -m kvboost_rag.bench_rag``
-reports; the floors sit a margin below the benchmark's figures (README, "Real-model answers").
+held-out set's retrieval sets at the benchmark's own setting (k=12, 32 new tokens), so this is the first slice
+of what ``kvboost-rag bench rag --split eval --k 12`` reports; the floors sit a margin below the benchmark's
+figures for these same 12 chats (README, "Real-model answers").
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from kvboost_rag.bench_rag import first_sentence, hf_greedy, messages
 
 MODEL = "smollm2-135m-instruct"
 N_QUESTIONS = 12
-K = 6
+K = 12
+NEW_TOKENS = 32
 
 pytestmark = pytest.mark.skipif(not zoo.available(MODEL),
                                 reason=f"{MODEL} is not installed ({zoo.SMOLLM2.install_hint})")
@@ -41,13 +43,13 @@ def cases(rag):
     for q, docs in rc.retrieval_sets(corpus, K, seed=0)[:N_QUESTIONS]:
         prompt = rag.chat_prompt(messages(q.question, [rc.doc_text(d) for d in docs]))
         special = rag.chat_add_special_tokens(prompt)
-        ref = hf_greedy(eng.model, eng.tokenizer, rag.encode(prompt, special), 24, set(eng._eos))
+        ref = hf_greedy(eng.model, eng.tokenizer, rag.encode(prompt, special), NEW_TOKENS, set(eng._eos))
         out.append((q, prompt, special, ref))
     return out
 
 
 def _run(rag, cases, **kw):
-    return [rag.generate(prompt, max_new_tokens=24, add_special_tokens=special, store_prefix=False, **kw)
+    return [rag.generate(prompt, max_new_tokens=NEW_TOKENS, add_special_tokens=special, store_prefix=False, **kw)
             for _, prompt, special, _ in cases]
 
 
@@ -84,9 +86,10 @@ def test_defaults_keep_answers(rag, cases, report):
     assert top1 >= len(cases) - 1
 
 
-# The held-out benchmark (k=12, 100 chats) measured the shipped default at 40% same answers (5 of its first 12),
-# accuracy equal to full prefill and top-1 100%; the floors leave a margin for this k=6 slice.
-SAME_FLOOR = 2
+# The held-out benchmark (k=12, 100 chats) measured the shipped default on these same first 12 chats at 5 same
+# answers, 5 right against 5 for full prefill, top-1 12/12 (1 thread); the floors leave a margin (thread counts
+# change float rounding, and near-ties with it).
+SAME_FLOOR = 3
 
 
 def test_make_demo_runs_on_the_real_model(capsys):
