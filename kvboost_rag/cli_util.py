@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 REPAIRS = ("none", "selective", "cacheblend", "full")  # kvboost_core.config.REPAIRS, without importing it
 
@@ -24,44 +24,26 @@ class Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------------------------- arg types
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(name: str, parse: Callable[[str], Any], lo: float, hi: float | None, expect: str,
+            bound: str) -> Callable[[str], Any]:
+    """An argparse type: ``parse`` the text, then require lo <= value (<= hi); NaN fails every comparison."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expect}, got {text!r}") from None
+        if not (value >= lo and (hi is None or value <= hi)):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    convert.__name__ = name
+    return convert
 
 
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _number("positive_int", int, 1, None, "a positive integer", ">= 1")
+nonnegative_int = _number("nonnegative_int", int, 0, None, "an integer >= 0", ">= 0")
+ratio = _number("ratio", float, 0.0, 1.0, "a number in [0, 1]", "in [0, 1]")
+nonnegative_float = _number("nonnegative_float", float, 0.0, None, "a number >= 0", ">= 0")
 
 
 STORE_FORMS = "memory | disk:PATH[?max_bytes=20GiB] | redis://HOST:PORT/DB[?ttl=SECONDS]"
