@@ -6,10 +6,10 @@ first use of the name, so ``import kvboost_core`` stays light (PEP 562 module ``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvboost_core.config import EngineConfig
+from kvboost_core.lazy import lazy_exports
 from kvboost_core.segments import Segment
 
 _LAZY = {"KVEngine": "kvboost_core.engine", "GenerationResult": "kvboost_core.results",
@@ -20,17 +20,7 @@ if TYPE_CHECKING:
     from kvboost_core.results import GenerationResult, WarmResult
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvboost_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = ["EngineConfig", "GenerationResult", "KVEngine", "Segment", "WarmResult"]

@@ -7,8 +7,9 @@ needs the engine is used (``KVBoostRAG`` ...): the CLI's ``--help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvboost_core.lazy import lazy_exports
 
 # name -> module that defines it; resolved on first attribute access (PEP 562)
 _EXPORTS = {
@@ -25,17 +26,7 @@ if TYPE_CHECKING:
     from kvboost_rag.warming import WarmReport
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvboost_rag' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = ["DocumentRegistry", "KVBoostRAG", "PromptPlan", "RegisteredDoc", "WarmReport", "doc_key", "doc_stats",

@@ -9,9 +9,9 @@ figures for these same 12 chats (README, "Real-model answers").
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvboost_core import zoo
+from kvboost_core.fidelity import kl_divergence
 from kvboost_rag import rag_corpus as rc
 from kvboost_rag.bench_rag import first_sentence, hf_greedy, messages
 
@@ -74,9 +74,7 @@ def test_defaults_keep_answers(rag, cases, report):
     right = sum(rc.is_correct(r.text, q) for r, (q, _, _, _) in zip(results, cases))
     right_full = sum(rc.is_correct(ref.text, q) for q, _, _, ref in cases)
     top1 = sum(int(r.first_logits.argmax()) == int(ref.logits.argmax()) for r, (*_, ref) in zip(results, cases))
-    kl = [float(torch.nn.functional.kl_div(torch.log_softmax(r.first_logits, -1),
-                                           torch.log_softmax(ref.logits, -1), log_target=True, reduction="sum"))
-          for r, (*_, ref) in zip(results, cases)]
+    kl = [kl_divergence(ref.logits, r.first_logits) for r, (*_, ref) in zip(results, cases)]
     cfg = rag.engine.config
     report.append(f"{MODEL}, {len(cases)} held-out RAG chats (k={K}), defaults (r={cfg.recompute_ratio}, "
                   f"check layer {cfg.check_layer}): same answer {same}/{len(cases)}, right {right} vs full "
