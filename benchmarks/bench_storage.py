@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvboost_core.keys import CacheKey, Fingerprint  # noqa: E402
-from kvboost_core.quant import bytes_per_token, maybe_quantize  # noqa: E402
+from kvboost_core.kv_encode import maybe_quantize  # noqa: E402
+from kvboost_core.quant import bytes_per_token  # noqa: E402
 from kvboost_core.store import DensePayload, DiskStore, KVBlock, RedisStore  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 24, 2, 64

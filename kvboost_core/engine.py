@@ -38,7 +38,7 @@ from kvboost_core.config import (
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint
-from kvboost_core.quant import maybe_quantize
+from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, WarmResult
 from kvboost_core.segments import (

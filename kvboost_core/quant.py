@@ -255,23 +255,6 @@ def unrotate_keys(k: torch.Tensor, start: int, rotary_emb) -> torch.Tensor:
     return rerotate(k, cos, sin)
 
 
-def maybe_quantize(dense: DensePayload, kv_bits: int | None, group_size: int = 32, *, start: int = 0,
-                   rotary_emb=None) -> DensePayload | QuantPayload:
-    """``EngineConfig.kv_bits`` -> payload: None keeps the dense payload as is, 16 casts it to bf16; 8/4
-    quantize, with keys un-rotated to position 0 first when ``rotary_emb`` is given (pre-RoPE storage)."""
-    if kv_bits is None:
-        return dense
-    if kv_bits == 16:
-        return DensePayload(dense.keys.to(torch.bfloat16), dense.values.to(torch.bfloat16))
-    # the native kernel when built (bit-identical to quantize_payload, which stays the reference)
-    from kvboost_core.kernels.ops import quantize_payload as native_quantize_payload
-
-    pre_rope = rotary_emb is not None
-    if pre_rope:
-        dense = DensePayload(unrotate_keys(dense.keys, start, rotary_emb), dense.values)
-    return native_quantize_payload(dense, kv_bits, group_size, keys_pre_rope=pre_rope)
-
-
 def bytes_per_token(payload: DensePayload | QuantPayload) -> float:
     """Stored payload bytes per token (all layers and heads, K and V, scales included)."""
     n = payload.num_tokens

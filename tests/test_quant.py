@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.quant import (
     QuantPayload,
     bytes_per_token,
     dequantize_k,
     dequantize_v,
-    maybe_quantize,
     pack_int4,
     quantize_k,
     quantize_payload,
