@@ -13,8 +13,16 @@ from typing import Any
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from kvboost_rag.misses import note_retrieved
+
+
+def render_node(node: BaseNode | NodeWithScore) -> str:
+    """The text a response synthesizer puts in the prompt for ``node`` (``get_content(MetadataMode.LLM)``)."""
+    if isinstance(node, NodeWithScore):
+        node = node.node
+    return node.get_content(metadata_mode=MetadataMode.LLM)
 
 
 class RetrievalWatcher(BaseEventHandler):
@@ -24,8 +32,6 @@ class RetrievalWatcher(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
-            from llama_index.llms.kvboost.base import render_node
-
             texts = []
             for n in event.nodes:
                 try:

@@ -30,8 +30,7 @@ try:
     from llama_index.core.bridge.pydantic import Field, PrivateAttr
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
-    from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
-    from llama_index.llms.kvboost._retrieval import watch_retrievals
+    from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
 except ImportError as exc:  # pragma: no cover - exercised only without llama-index installed
     raise ImportError(f"llama_index.llms.kvboost needs llama-index-core: {_HINT}") from exc
 
@@ -67,13 +66,6 @@ def _as_rag(obj: Any, *, transparent: bool = True, preserve_order: bool = False)
     if isinstance(obj, KVEngine):
         return cls(obj, transparent=transparent, preserve_order=preserve_order)
     raise TypeError(f"expected a KVBoostLLM, a KVBoostRAG or a kvboost_core KVEngine, got {type(obj).__name__}")
-
-
-def render_node(node: BaseNode | NodeWithScore) -> str:
-    """The text a response synthesizer puts in the prompt for ``node`` (``get_content(MetadataMode.LLM)``)."""
-    if isinstance(node, NodeWithScore):
-        node = node.node
-    return node.get_content(metadata_mode=MetadataMode.LLM)
 
 
 def registry_key(text: str) -> str:
