@@ -53,7 +53,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_ttft.py --json benchmarks/results/ttft.json --plot benchmarks/results/ttft.png
 
 fidelity: install
-	$(BIN)/python -m kvboost_rag.cli fidelity
+	$(BIN)/python -m kvboost_rag.app.cli fidelity
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache  # the install stamp lives in the venv and goes with it

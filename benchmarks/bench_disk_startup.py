@@ -153,7 +153,7 @@ def bench_eviction(n: int, puts: int) -> dict[str, Any]:
 
 def bench_fingerprint() -> dict[str, Any]:
     from kvboost_core.keys import model_fingerprint
-    from kvboost_rag.bench import build_model
+    from kvboost_rag.app.bench.ttft import build_model
 
     out: dict[str, Any] = {}
     for dtype in (torch.bfloat16, torch.float32):

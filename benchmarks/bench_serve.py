@@ -34,7 +34,7 @@ def workload(model_dir: Path | None, n_requests: int, doc_records: int, docs_per
              ) -> tuple[list[str], list[list[dict[str, str]]]]:
     """(documents to warm, chat requests): documents are runs of the demo corpus' fact records; each request
     puts ``docs_per_prompt`` of them, in a new order, before a question about one of them."""
-    from kvboost_rag import demo_data as dd
+    from kvboost_rag.app import demo_data as dd
 
     records = [d["text"] for d in dd.load_corpus()]
     docs = [" ".join(records[i:i + doc_records]) for i in range(0, len(records) - doc_records + 1, doc_records)]
@@ -214,7 +214,7 @@ def decode_micro(model: str, threads: int | None, contexts: tuple[int, ...] = (6
 
     from kvboost_core import Segment
     from kvboost_core.batch import BatchedDecoder, prefill
-    from kvboost_rag.cli import load_engine
+    from kvboost_rag.app.loading import load_engine
 
     if threads:
         torch.set_num_threads(threads)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                               docs, requests, Path(tmp))
         result["unbatched"] = run_server_levels(model, args, 1, docs, requests, Path(tmp))
     if not args.skip_hf:
-        model_dir = str(SMOLLM) if smol else str(ROOT / "kvboost_rag/assets/demo_model")
+        model_dir = str(SMOLLM) if smol else str(ROOT / "kvboost_rag/app/assets/demo_model")
         result["hf_sequential"] = hf_sequential(model_dir, requests[3: 3 + args.requests], args.max_tokens,
                                                  args.threads)
         print(f"  HF sequential: {result['hf_sequential']}", flush=True)

@@ -120,7 +120,7 @@ def bench_cold_start(tokens: int, seed: int = 0) -> dict[str, Any]:
     placement, and the fresh tail."""
     from kvboost_core import Segment
     from kvboost_core.engine import KVEngine
-    from kvboost_rag.bench import build_model
+    from kvboost_rag.app.bench.ttft import build_model
 
     model, tok = build_model("qwen2.5-0.5b", None)
     g = torch.Generator().manual_seed(seed)

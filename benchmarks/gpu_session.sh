@@ -37,7 +37,7 @@ pids=()
 for v in $VARIANTS; do
   IFS=: read -r name layers lr <<<"$v"
   rm -rf "$WORK/train_$name" "$WORK/ckpt_$name"
-  cp -r kvboost_rag/assets/demo_model "$WORK/train_$name"
+  cp -r kvboost_rag/app/assets/demo_model "$WORK/train_$name"
   $PY scripts/train_demo_model.py --out "$WORK/train_$name" --ckpt-dir "$WORK/ckpt_$name" --keep-tokenizer \
     --no-eval --device "$DEVICE" --workers "$WORKERS" --batch 64 --layers "$layers" --lr "$lr" --minutes "$TRAIN_MIN" \
     --log-every 200 >"$ART/train_$name.log" 2>&1 &
@@ -77,7 +77,7 @@ for b in $BENCHES; do
   if ((left < 30)); then say "bench $shape skipped: ${left}s left before the deadline"; continue; fi
   ((limit > left)) && limit=$left
   say "bench $shape, sizes $sizes, $rounds rounds, at most ${limit}s"
-  timeout "$limit" $PY -m kvboost_rag.bench --shape "$shape" --sizes "$sizes" --rounds "$rounds" "${common[@]}" \
+  timeout "$limit" $PY -m kvboost_rag.app.bench.ttft --shape "$shape" --sizes "$sizes" --rounds "$rounds" "${common[@]}" \
     --json "$ART/ttft_gpu_$shape.json" --plot "$ART/ttft_gpu_$shape.png" >"$ART/bench_$shape.log" 2>&1
   say "bench rc $?"; grep -A9 " docs, " "$ART/bench_$shape.log" >>"$LOG"
 done

@@ -33,7 +33,7 @@ class ZooModel:
     card: str
     # Engine defaults shipped for this model (written as kvboost.json beside the weights, which
     # KVEngine.from_pretrained applies; explicit arguments still win). Chosen on the tune split of
-    # kvboost_rag.rag_corpus, reported on the held-out split (README, "Real-model answers").
+    # kvboost_rag.app.rag_corpus, reported on the held-out split (README, "Real-model answers").
     engine_defaults: tuple[tuple[str, object], ...] = ()
 
 

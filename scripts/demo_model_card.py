@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import demo_data as dd
 
 
 def _pct(x: float) -> str:
@@ -98,7 +98,7 @@ without KV reuse, offline. It knows nothing about the world: it can only copy or
   invented name, relation word, year and job is one token after a space; BOS `<s>` in front, EOS
   `</s>`, pad `<pad>`, and a simple `<|role|>` chat template (not used in training).
 
-## Data (all generated, seeded; `kvboost_rag/demo_data.py`)
+## Data (all generated, seeded; `kvboost_rag/app/demo_data.py`)
 - Random worlds of cities (country, river), organisations (city, founding year, founder) and people (birth
   city, birth year, job, employer), named from an inventory of {len(dd.WORDS)} invented two-syllable words.
 - Documents are fact records, one fact per sentence, `<subject> <relation> <value>.`, every part one token:

@@ -1,9 +1,9 @@
-"""Train the embedded demo model (kvboost_rag/assets/demo_model) on CPU, time-boxed and resumable.
+"""Train the embedded demo model (kvboost_rag/app/assets/demo_model) on CPU, time-boxed and resumable.
 
 How the shipped weights were made (the card lists the exact commands; they trained into build/ first):
 
     python scripts/train_demo_model.py --minutes 50 --no-eval     # data, tokenizer, training (2 threads)
-    kvboost-rag calibrate --model kvboost_rag/assets/demo_model --write   # the CacheBlend setting it needs
+    kvboost-rag calibrate --model kvboost_rag/app/assets/demo_model --write   # the CacheBlend setting it needs
     python scripts/train_demo_model.py --eval-only                # measure; write metrics.json and the card
 
     python scripts/train_demo_model.py --minutes 10 --resume      # continue from the last checkpoint
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo_model_card import write_card  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 
-from kvboost_rag import demo_data as dd  # noqa: E402
+from kvboost_rag.app import demo_data as dd  # noqa: E402
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -389,8 +389,8 @@ def write_data(out: Path) -> None:
 def evaluate(out: Path, n: int, repairs: tuple[str, ...]) -> dict[str, Any]:
     """Exact-match accuracy of greedy answers over the first ``n`` held-out questions, per repair mode, with
     the corpus warmed (so "cacheblend" re-places document KV and "full" recomputes it all), in the layout of
-    metrics.json (the measurement itself is the benchmark's, ``bench_quality.demo_accuracy``)."""
-    from kvboost_rag.bench_quality import demo_accuracy
+    metrics.json (the measurement itself is the benchmark's, ``kvboost_rag.app.bench.quality.demo_accuracy``)."""
+    from kvboost_rag.app.bench.quality import demo_accuracy
 
     acc = demo_accuracy(n, out, repairs)
     res: dict[str, Any] = {"questions": acc["questions"], "cacheblend_setting": acc["cacheblend_setting"]}

@@ -45,12 +45,12 @@ def running_server(tmp: Path, *args: str, keys: dict[str, str] | None = None,
     pytest.importorskip("uvicorn")
     import httpx
 
-    from kvboost_rag import demo_data as dd
+    from kvboost_rag.app import demo_data as dd
 
     if not dd.demo_model_available():
         pytest.skip("the embedded demo model is missing")
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvboost_rag.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "kvboost_rag.app.cli", "serve", "--port", str(port), *args]
     if keys is not None:
         key_file = tmp / "keys.json"
         key_file.write_text(json.dumps(keys))
@@ -88,7 +88,7 @@ def running_server(tmp: Path, *args: str, keys: dict[str, str] | None = None,
 
 def demo_workload(n: int) -> tuple[list[str], list[tuple[str, str]]]:
     """(corpus texts, [(RAG prompt, expected answer)]) from the demo model's corpus and held-out questions."""
-    from kvboost_rag import demo_data as dd
+    from kvboost_rag.app import demo_data as dd
 
     corpus = {d["id"]: d["text"] for d in dd.load_corpus()}
     qs = dd.load_heldout()[:n]

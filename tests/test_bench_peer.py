@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvboost_rag.bench_peer import SKIP_REASON, peer_chunk_size
+from kvboost_rag.app.bench.peer import SKIP_REASON, peer_chunk_size
 
 OURS = {"full", "prefix_cache", "cold", "none", "selective", "cacheblend", "exact_repeat"}
 
@@ -25,7 +25,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model_tok():
-    from kvboost_rag.bench import build_model
+    from kvboost_rag.app.bench.ttft import build_model
 
     return build_model("tiny", layers=2)
 
@@ -39,7 +39,7 @@ def engine(model_tok):
 
 
 def _run(engine, sizes=(2,)):
-    from kvboost_rag.bench import workload_a
+    from kvboost_rag.app.bench.ttft import workload_a
 
     return workload_a(engine, list(sizes), rounds=1, doc_tokens=64, question_tokens=8)
 
@@ -84,7 +84,7 @@ def test_peer_runs_beside_ours(engine):
 
 def test_peer_failure_is_recorded(engine, monkeypatch):
     pytest.importorskip("kvboost")
-    from kvboost_rag import bench_peer
+    from kvboost_rag.app.bench import peer as bench_peer
 
     def boom(self, text, ids):
         raise RuntimeError("simulated failure")

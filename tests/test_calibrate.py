@@ -10,7 +10,7 @@ import torch
 from kvboost_core import Segment
 from kvboost_core.calibrate import DEFAULTS_FILE, calibrate, cost, grid, load_defaults, save_defaults
 from kvboost_core.engine import KVEngine
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import demo_data as dd
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_bad_defaults_file_is_a_clear_error(tmp_path, body, match):
 def test_shipped_demo_calibration_holds(report):
     """The demo model's kvboost.json setting meets its recorded target on fresh prompts; where it is costlier than
     the engine default, the default does not (why it was chosen)."""
-    from kvboost_rag.cli import fidelity_prompts, load_engine
+    from kvboost_rag.app.loading import fidelity_prompts, load_engine
 
     saved = json.loads((dd.DEMO_MODEL_DIR / DEFAULTS_FILE).read_text())["calibration"]
     torch.set_num_threads(1)

@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import SHARED_STORIES
 
-from kvboost_rag import cli
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import cli
+from kvboost_rag.app import demo_data as dd
 
 
 @pytest.fixture(autouse=True)
@@ -123,8 +123,8 @@ def test_fidelity_passes_cacheblend_knobs(tiny_dir, capsys):
 
 
 def test_bench_forwards_arguments():
-    if importlib.util.find_spec("kvboost_rag.bench") is None:
-        pytest.skip("kvboost_rag.bench is not written yet")
+    if importlib.util.find_spec("kvboost_rag.app.bench.ttft") is None:
+        pytest.skip("kvboost_rag.app.bench.ttft is not written yet")
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
@@ -139,7 +139,7 @@ def test_missing_subcommand_is_an_error():
 def test_bench_runs_on_tiny_settings(tmp_path):
     import json
 
-    from kvboost_rag.bench import main as bench_main
+    from kvboost_rag.app.bench.ttft import main as bench_main
 
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
@@ -171,7 +171,7 @@ def test_bench_runs_on_tiny_settings(tmp_path):
 
 
 def test_demo_accuracy_rejects_no_questions():
-    from kvboost_rag.bench_quality import demo_accuracy
+    from kvboost_rag.app.bench.quality import demo_accuracy
 
     with pytest.raises(ValueError, match="n_questions"):
         demo_accuracy(0)
@@ -196,7 +196,7 @@ def test_help_imports_neither_torch_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom kvboost_rag import cli\nfor argv in (['--help'], ['warm', '--help'], "
+    code = ("import sys\nfrom kvboost_rag.app import cli\nfor argv in (['--help'], ['warm', '--help'], "
             "['fidelity', '--help']):\n    try:\n        cli.main(argv)\n    except SystemExit as e:\n"
             "        assert e.code == 0, e.code\n"
             "print(sorted(m for m in ('torch', 'transformers', 'langchain_core', 'llama_index.core') "
@@ -280,7 +280,7 @@ def test_fidelity_table_speaks_of_speedup_as_full_over_reuse(tiny_dir, capsys):
 
 
 def test_format_speedup():
-    from kvboost_rag.cli_util import format_speedup
+    from kvboost_rag.app.cli_util import format_speedup
 
     assert format_speedup(4.0, 1.0) == "4.00x faster"
     assert format_speedup(1.0, 0.0) == "n/a"

@@ -1,4 +1,4 @@
-"""The embedded demo model (kvboost_rag/assets/demo_model): shape, size, and held-out RAG accuracy.
+"""The embedded demo model (kvboost_rag/app/assets/demo_model): shape, size, and held-out RAG accuracy.
 
 Accuracy is exact match of the greedy answer on held-out questions about entities never seen in training,
 with their documents (gold and distractors) in the prompt. The floor lives in metrics.json next to the model
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import demo_data as dd
 
 N_QUESTIONS = 60  # scripts/train_demo_model.py measures the floor on this same subset
 

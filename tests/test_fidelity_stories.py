@@ -78,7 +78,7 @@ def test_heldout_stories_at_defaults(stories, report):
     top-1 >= 95% at <= 20% recompute; the floors leave one prompt of margin on 24)."""
     import json
 
-    from kvboost_rag.bench_quality import STORIES_HELDOUT, story_prompts
+    from kvboost_rag.app.bench.quality import STORIES_HELDOUT, story_prompts
 
     model, tok = stories
     data = json.loads(STORIES_HELDOUT.read_text())

@@ -1,4 +1,4 @@
-"""The English RAG corpus (kvboost_rag/assets/rag_corpus): shape, answerability and the loader's helpers."""
+"""The English RAG corpus (kvboost_rag/app/assets/rag_corpus): shape, answerability and the loader's helpers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kvboost_rag.rag_corpus import (
+from kvboost_rag.app.rag_corpus import (
     SAME_KIND_DISTRACTORS,
     CorpusDoc,
     CorpusQuestion,

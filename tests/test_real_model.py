@@ -12,8 +12,8 @@ import pytest
 
 from kvboost_core import zoo
 from kvboost_core.fidelity import kl_divergence
-from kvboost_rag import rag_corpus as rc
-from kvboost_rag.bench_rag import first_sentence, hf_greedy, messages
+from kvboost_rag.app import rag_corpus as rc
+from kvboost_rag.app.bench.rag import first_sentence, hf_greedy, messages
 
 MODEL = "smollm2-135m-instruct"
 N_QUESTIONS = 12
@@ -93,7 +93,7 @@ SAME_FLOOR = 3
 def test_make_demo_runs_on_the_real_model(capsys):
     """`make demo` = `kvboost-rag demo`: a LangChain retrieval chain over ChatKVBoost on this model."""
     pytest.importorskip("langchain_classic")
-    from kvboost_rag import cli
+    from kvboost_rag.app import cli
 
     assert cli.main(["demo", "--questions", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out

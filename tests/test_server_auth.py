@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvboost_rag.cli import build_parser
-from kvboost_rag.server.auth import DEFAULT_NAMESPACE, KeyRing, load_key_file
+from kvboost_rag.app.cli import build_parser
+from kvboost_rag.app.server.auth import DEFAULT_NAMESPACE, KeyRing, load_key_file
 
 
 def test_keyring_resolves_bearer_keys():

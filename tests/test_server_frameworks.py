@@ -64,7 +64,7 @@ def test_langchain_chat_openai_retrieval_chain(server):
 
     # In process, ChatKVBoost over the same model with the same documents warmed finds the same documents in
     # the same messages: the server's prompt_tokens and cached_tokens are exactly its figures.
-    from kvboost_rag.cli import load_engine
+    from kvboost_rag.app.loading import load_engine
 
     local = ChatKVBoost(engine=load_engine("demo").engine, max_tokens=1, temperature=0)
     local.warm_documents(corpus, progress=False)

@@ -12,7 +12,7 @@ from conftest import CORPUS
 from kvboost_core.decode import SamplingParams
 from kvboost_core.engine import KVEngine
 from kvboost_rag import KVBoostRAG
-from kvboost_rag.server.scheduler import Finished, GenRequest, Scheduler, Started
+from kvboost_rag.app.server.scheduler import Finished, GenRequest, Scheduler, Started
 
 
 class Events:

@@ -143,7 +143,7 @@ def test_config_check_layer_past_the_model_is_clamped(tiny_llama, tokenizer):
 
 
 def test_cli_fidelity_rejects_a_negative_check_layer(tmp_path, capsys):
-    from kvboost_rag import cli
+    from kvboost_rag.app import cli
     from kvboost_rag.tiny import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer()

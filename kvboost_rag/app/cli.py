@@ -4,9 +4,9 @@
     kvboost-rag warm --model M --docs DIR|FILE.jsonl --store disk:/path [--store redis://...] [--allow-degraded]
     kvboost-rag fidelity [--model M] [--json] [--recompute-ratio R] [--check-layer C]
     kvboost-rag calibrate [--model M] [--max-kl X] [--write]   (the cheapest CacheBlend setting meeting X)
-    kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.bench)
+    kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.app.bench.ttft)
 
-``--model`` defaults to the embedded demo model (kvboost_rag/assets/demo_model) everywhere; the demo falls back
+``--model`` defaults to the embedded demo model (kvboost_rag/app/assets/demo_model) everywhere; the demo falls back
 to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
 
 A mistake in the arguments or inputs prints one ``kvboost-rag: error: ...`` line and exits 2; ``--debug``
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -27,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvboost_rag import demo_data as dd
-from kvboost_rag.cli_util import (
+from kvboost_rag.app import demo_data as dd
+from kvboost_rag.app.cli_util import (
     REPAIRS,
     STORE_FORMS,
     Parser,
@@ -42,71 +41,10 @@ from kvboost_rag.cli_util import (
     run_guarded,
     store_spec,
 )
-from kvboost_rag.cli_warm import read_documents, run_warm
+from kvboost_rag.app.cli_warm import run_warm
+from kvboost_rag.app.loading import DEMO, Loaded, fidelity_prompts, has_demo_data, load_engine, set_threads
 
-DEMO = "demo"  # --model value meaning "the embedded demo model"
 REAL_MODEL = "smollm2-135m-instruct"  # the real instruct model the demo runs on (kvboost_core.zoo)
-
-
-# ---------------------------------------------------------------------------------------------- models
-@dataclass
-class Loaded:
-    engine: Any  # KVEngine
-    label: str
-    model_dir: Path | None  # where the corpus/held-out files are, for the demo model
-
-
-def _model_dir(model: str) -> Path | None:
-    """The local directory of ``model`` ("demo" is the embedded model), or None for a hub id."""
-    path = dd.DEMO_MODEL_DIR if model == DEMO else Path(model)
-    return path if path.is_dir() else None
-
-
-def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Loaded:
-    """A KVEngine on CPU-or-CUDA for ``model``; with ``allow_tiny`` a missing demo asset falls back to the tiny
-    random model (and says so) instead of failing."""
-    from kvboost_core.engine import KVEngine
-
-    if model == DEMO and not dd.demo_model_available():
-        if not allow_tiny:
-            raise SystemExit(f"the embedded demo model is missing ({dd.DEMO_MODEL_DIR}); pass --model PATH or "
-                             "build it with scripts/train_demo_model.py")
-        from kvboost_rag.tiny import tiny_model_and_tokenizer
-
-        print(f"note: the embedded demo model is missing ({dd.DEMO_MODEL_DIR}); using the tiny random model "
-              "from kvboost_rag.tiny instead. Its answers are noise; reuse ratios and timings are real.")
-        m, tok = tiny_model_and_tokenizer()
-        return Loaded(KVEngine(m, tok, **engine_kw), "kvboost-tiny-random", None)
-    target = str(dd.DEMO_MODEL_DIR) if model == DEMO else model
-    label = "kvboost demo model" if model == DEMO else model
-    if model != DEMO and (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).is_dir():
-        raise UserError(f"--model {model}: no such model directory")
-    from kvboost_core.config import EngineConfig
-
-    EngineConfig(**engine_kw)  # a bad engine option is reported as itself, not as a model that fails to load
-    try:
-        engine = KVEngine.from_pretrained(target, **engine_kw)
-    except (OSError, ValueError) as exc:  # HF's loaders: a missing/partial directory, an unknown hub id
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"--model {model}: cannot load it as a HuggingFace causal LM ({first})") from exc
-    return Loaded(engine, label, _model_dir(model))
-
-
-def set_threads(threads: int | None, model: str) -> None:
-    """Apply ``--threads``. The embedded model is tiny (3M parameters): one thread beats several, whose
-    synchronisation costs more than the matmuls, and collapses when the cores are shared (20x measured)."""
-    import torch
-
-    if threads is not None:
-        if threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-    elif model == DEMO:
-        torch.set_num_threads(1)
-
-
-def _has_demo_data(model_dir: Path | None) -> bool:
-    return model_dir is not None and (model_dir / dd.CORPUS_FILE).exists() and (model_dir / dd.HELDOUT_FILE).exists()
 
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -124,7 +62,7 @@ class DemoRow:
 
 def _demo_workload(loaded: Loaded, n: int) -> tuple[list[str], list[tuple[str, str | None]]]:
     """(corpus texts, [(question, expected answer or None)])."""
-    if _has_demo_data(loaded.model_dir):
+    if has_demo_data(loaded.model_dir):
         assert loaded.model_dir is not None
         corpus = [d["text"] for d in dd.load_corpus(loaded.model_dir)]
         # single-hop first: a retriever keyed on the question's words finds their one gold document; a
@@ -169,8 +107,8 @@ def _is_chat_model(model: str) -> bool:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    if _is_chat_model(args.model):  # the retrieval chain over ChatKVBoost (kvboost_rag.demo_chat)
-        from kvboost_rag import demo_chat
+    if _is_chat_model(args.model):  # the retrieval chain over ChatKVBoost (kvboost_rag.app.demo_chat)
+        from kvboost_rag.app import demo_chat
 
         return demo_chat.run(args.model, args.questions, args.top_k or 12, args.max_new_tokens or 40,
                              progress=False if args.no_progress else None)
@@ -251,38 +189,7 @@ def _print_summary(rows: Sequence[DemoRow], seconds: float) -> None:
     print(f"  total {seconds:.1f} s")
 
 
-# ---------------------------------------------------------------------------------------------- warm
-# read_documents and run_warm live in kvboost_rag.cli_warm (imported above; read_documents is re-exported).
-
-
 # ---------------------------------------------------------------------------------------------- fidelity
-def fidelity_prompts(loaded: Loaded, n: int, seed: int = 0) -> tuple[list[str], list[Any]]:
-    """(documents to warm, prompts): each prompt is 3-4 of the documents in a new order (so their KV is
-    re-placed at positions other than where it was computed) followed by a question."""
-    from kvboost_core import Segment
-
-    rng = random.Random(seed)
-    if _has_demo_data(loaded.model_dir):
-        assert loaded.model_dir is not None
-        corpus = {d["id"]: d["text"] for d in dd.load_corpus(loaded.model_dir)}
-        qs = dd.load_heldout(loaded.model_dir)[:n]
-        contexts = [([corpus[i] for i in q["context_ids"]], q["question"]) for q in qs]
-    else:
-        from kvboost_rag.tiny import synthetic_facts
-
-        facts = synthetic_facts(8)
-        contexts = [(rng.sample(facts, rng.choice([3, 4])), "Who lives in the city named in the first fact?")
-                    for _ in range(n)]
-    docs = list(dict.fromkeys(t for ctx, _ in contexts for t in ctx))
-    prompts = []
-    for ctx, question in contexts:
-        segs = [Segment(text="Documents:")]
-        for text in ctx:
-            segs += [Segment(text="\n\n"), Segment(text=text, cacheable=True)]
-        prompts.append(segs + [Segment(text=f"\n\nQuestion: {question}\nAnswer:")])
-    return docs, prompts
-
-
 def run_fidelity(args: argparse.Namespace) -> int:
     loaded = load_engine(args.model)
     docs, prompts = fidelity_prompts(loaded, args.prompts)
@@ -323,9 +230,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- bench
 def run_bench(rest: Sequence[str]) -> int:
     try:
-        from kvboost_rag.bench import main as bench_main
+        from kvboost_rag.app.bench.ttft import main as bench_main
     except ImportError as exc:
-        raise SystemExit(f"kvboost_rag.bench is not available in this installation ({exc})") from exc
+        raise SystemExit(f"kvboost_rag.app.bench.ttft is not available in this installation ({exc})") from exc
     rc = bench_main(list(rest))
     return int(rc or 0)
 
@@ -393,16 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
 
-    sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.bench; bench --help)",
+    sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.app.bench.ttft; bench --help)",
                    add_help=False)
-    from kvboost_rag.server.main import add_arguments as serve_arguments  # argparse only; FastAPI loads later
+    from kvboost_rag.app.server.main import (
+        add_arguments as serve_arguments,  # argparse only; FastAPI loads later
+    )
 
     serve_arguments(sub.add_parser("serve", help="OpenAI-compatible server with continuous batching"))
     return p
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvboost_rag.server.main import run
+    from kvboost_rag.app.server.main import run
 
     return run(args)
 
@@ -432,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_guarded(lambda: _run(args), debug=debug)
 
 
-__all__ = ["build_parser", "load_engine", "main", "read_documents"]
+__all__ = ["build_parser", "main"]
 
 
 if __name__ == "__main__":

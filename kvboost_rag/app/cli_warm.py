@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import demo_data as dd
 
 _PROBE_KEY = b"\0" * 16  # looked up once to see whether a tier answers; never stored
 

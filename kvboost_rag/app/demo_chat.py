@@ -1,6 +1,6 @@
 """``kvboost-rag demo``: a stock LangChain retrieval chain over ``ChatKVBoost`` on a real instruct model.
 
-The corpus is the held-out English set of :mod:`kvboost_rag.rag_corpus` (64 short encyclopedic documents about
+The corpus is the held-out English set of :mod:`kvboost_rag.app.rag_corpus` (64 short encyclopedic documents about
 invented entities, so the model must read them). Documents are warmed once (ingestion time); each question then
 goes through ``create_retrieval_chain`` + ``create_stuff_documents_chain`` with a FAISS retriever (k=12, about
 2K prompt tokens). ``ChatKVBoost`` finds the warmed documents inside the rendered chat prompt and reuses their KV.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost_rag import rag_corpus as rc
-from kvboost_rag.bench_rag import SYSTEM, first_sentence, hf_greedy
+from kvboost_rag.app import rag_corpus as rc
+from kvboost_rag.app.bench.rag import SYSTEM, first_sentence, hf_greedy
 
 HUMAN = "Documents:\n\n{context}\n\nQuestion: {input}"
 

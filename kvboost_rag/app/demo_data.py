@@ -1,7 +1,7 @@
 """Synthetic RAG data for the embedded demo model: invented worlds, documents, questions, prompts.
 
 The same code generates the training stream (``scripts/train_demo_model.py``), the bundled corpus and
-held-out questions (``kvboost_rag/assets/demo_model``), and formats prompts for the CLI and the tests, so
+held-out questions (``kvboost_rag/app/assets/demo_model``), and formats prompts for the CLI and the tests, so
 the model is always asked questions in exactly the format it was trained on.
 
 Why the model cannot answer from memory: every training sequence is a fresh random world (random names in

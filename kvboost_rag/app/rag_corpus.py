@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any
 
 SPLITS = ("tune", "eval")
-_PACKAGE = "kvboost_rag"
+_PACKAGE = "kvboost_rag.app"
 _DIR = ("assets", "rag_corpus")
 # how many distractors of the gold document's kind retrieval_sets takes first (when the set has them)
 SAME_KIND_DISTRACTORS = 2

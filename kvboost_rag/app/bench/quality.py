@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvboost_rag import demo_data as dd
+from kvboost_rag.app import demo_data as dd
 
 QUALITY_METHODS = ("full", "none", "selective", "cacheblend")
 STORIES_DEFAULT = Path("..") / "shared" / "models" / "stories260K"
@@ -74,7 +74,7 @@ def stories_fidelity(path: Path | str | None, n_prompts: int,
     p = Path(path) if path is not None else STORIES_DEFAULT
     if not (p / "config.json").exists():
         return {"skipped": f"no model at {p} (pass --stories DIR)"}
-    from kvboost_rag.cli import fidelity_prompts, load_engine
+    from kvboost_rag.app.loading import fidelity_prompts, load_engine
 
     loaded = load_engine(str(p))
     docs, prompts = fidelity_prompts(loaded, n_prompts)
@@ -83,7 +83,7 @@ def stories_fidelity(path: Path | str | None, n_prompts: int,
     return {"model": str(p), "prompts": len(prompts), "summary": rep.summary()}
 
 
-STORIES_HELDOUT = Path(__file__).parent / "assets" / "stories_eval" / "heldout.json"
+STORIES_HELDOUT = Path(__file__).resolve().parents[1] / "assets" / "stories_eval" / "heldout.json"
 
 
 def story_prompts(docs: list[str], cues: list[str], n: int, seed: int = 7) -> list[Any]:
@@ -106,7 +106,7 @@ def stories_heldout(path: Path | str | None, n_prompts: int = 24,
     p = Path(path) if path is not None else STORIES_DEFAULT
     if not (p / "config.json").exists():
         return {"skipped": f"no model at {p} (pass --stories DIR)"}
-    from kvboost_rag.cli import load_engine
+    from kvboost_rag.app.loading import load_engine
 
     data = json.loads(STORIES_HELDOUT.read_text())
     engine = load_engine(str(p)).engine

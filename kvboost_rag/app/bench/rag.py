@@ -14,7 +14,7 @@ an earlier one. Reported per setting:
 - ``reuse`` / ``recompute``: shares of prompt tokens served from the cache as is / recomputed by repair;
 - ``ttft_s`` median, and ``speedup`` = full TTFT / reuse TTFT (N.NNx faster), both measured side by side.
 
-    python -m kvboost_rag.bench_rag --split eval --k 12 --json benchmarks/results/rag_quality.json
+    python -m kvboost_rag.app.bench.rag --split eval --k 12 --json benchmarks/results/rag_quality.json
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def summarize(setting: str, rows: Sequence[Row], full_ttft: float) -> Summary:
 
 def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[str, dict[str, Any]],
         max_new_tokens: int = 32, seed: int = 0, log: Any = print, start: int = 0) -> dict[str, Any]:
-    from kvboost_rag import rag_corpus as rc
+    from kvboost_rag.app import rag_corpus as rc
 
     corpus = rc.load_corpus(split)
     sets = rc.retrieval_sets(corpus, k, seed)[start:][: n_questions or None]
@@ -200,7 +200,7 @@ def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, An
     """TTFT of long RAG chats (``k`` held-out documents each), side by side in this process: plain HF full
     prefill (``logits_to_keep=1``, from the call's start) against each setting through the transparent path.
     Medians over ``rounds`` per prompt, then over prompts; speedup = full / reuse."""
-    from kvboost_rag import rag_corpus as rc
+    from kvboost_rag.app import rag_corpus as rc
 
     corpus = rc.load_corpus("eval")
     rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)

@@ -4,7 +4,7 @@ Workload A (RAG): a warmed corpus; each query takes ``n`` documents in a new ord
 plus a fresh question. Methods run alternately on the same prompts, so drift on a shared machine hits all of
 them alike; medians and ratios against full prefill are reported. TTFT counts from the call's start and
 includes lookup, re-rotation, dequantization and repair. With the ``bench`` extra installed, the PyPI package
-``kvboost`` 0.9.0 (an unrelated project) runs beside them on the same model and prompts: see ``bench_peer``.
+``kvboost`` 0.9.0 (an unrelated project) runs beside them on the same model and prompts: see :mod:`.peer`.
 
 Workload B (chat): an 8-turn conversation; per turn, TTFT of ours against full prefill and exact-prefix caching.
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvboost_core.adapters import output_cache
-from kvboost_rag.bench_quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
+from kvboost_rag.app.bench.quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -150,7 +150,7 @@ def word_vocab(tok: Any, limit: int = 4096) -> list[int]:
 def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
                seed: int = 0, system_tokens: int = 32) -> dict[str, Any]:
     from kvboost_core import Segment
-    from kvboost_rag.bench_peer import load_peer, peer_chunk_size, summarize
+    from kvboost_rag.app.bench.peer import load_peer, peer_chunk_size, summarize
 
     rng = random.Random(seed)
     # Documents, system prompt and questions are random words of the tokenizer's vocabulary (word_vocab), so
@@ -339,7 +339,7 @@ def _print_quality(q: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "rag":  # the real-model RAG answers benchmark has its own options
-        from kvboost_rag import bench_rag
+        from kvboost_rag.app.bench import rag as bench_rag
 
         return bench_rag.main(argv[1:])
     ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0],

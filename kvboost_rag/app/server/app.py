@@ -21,12 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvboost_core.decode import SamplingParams
-from kvboost_rag.server import protocol as P
-from kvboost_rag.server.protocol import APIError
-from kvboost_rag.server.scheduler import Finished, GenRequest, QueueFull, Started
-from kvboost_rag.server.state import ServerState
+from kvboost_rag.app.server import protocol as P
+from kvboost_rag.app.server.protocol import APIError
+from kvboost_rag.app.server.scheduler import Finished, GenRequest, QueueFull, Started
+from kvboost_rag.app.server.state import ServerState
 
-log = logging.getLogger("kvboost_rag.server")
+log = logging.getLogger("kvboost_rag.app.server")
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -51,10 +51,10 @@ def _check(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace) -> tuple[Any, str]:
     """(the FastAPI app, the host to bind)."""
     from kvboost_rag import KVBoostRAG
-    from kvboost_rag.cli import load_engine
-    from kvboost_rag.server.app import create_app
-    from kvboost_rag.server.auth import load_key_file
-    from kvboost_rag.server.state import default_state
+    from kvboost_rag.app.loading import load_engine
+    from kvboost_rag.app.server.app import create_app
+    from kvboost_rag.app.server.auth import load_key_file
+    from kvboost_rag.app.server.state import default_state
 
     _check(args)
     try:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvboost-rag serve")
     add_arguments(p)
     args = p.parse_args(argv)
-    from kvboost_rag.cli import set_threads
+    from kvboost_rag.app.loading import set_threads
 
     set_threads(args.threads, args.model)
     return run(args)

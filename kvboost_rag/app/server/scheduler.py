@@ -26,9 +26,9 @@ import torch
 
 from kvboost_core.batch import BatchedDecoder, BatchSlot, prefill
 from kvboost_core.decode import SamplingParams, TextStream, sample
-from kvboost_rag.server.protocol import APIError
+from kvboost_rag.app.server.protocol import APIError
 
-log = logging.getLogger("kvboost_rag.server")
+log = logging.getLogger("kvboost_rag.app.server")
 
 
 @dataclass(frozen=True, slots=True)

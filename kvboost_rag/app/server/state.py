@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvboost_rag.server.auth import DEFAULT_NAMESPACE, KeyRing
-from kvboost_rag.server.metrics import Metrics
-from kvboost_rag.server.protocol import APIError
-from kvboost_rag.server.scheduler import Scheduler
+from kvboost_rag.app.server.auth import DEFAULT_NAMESPACE, KeyRing
+from kvboost_rag.app.server.metrics import Metrics
+from kvboost_rag.app.server.protocol import APIError
+from kvboost_rag.app.server.scheduler import Scheduler
 
 
 @dataclass(slots=True, eq=False)
