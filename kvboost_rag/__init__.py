@@ -1,8 +1,10 @@
 """kvboost_rag: document warming and KV reuse for RAG chains on top of kvboost_core.
 
 Importing this package never imports LangChain or LlamaIndex; their integrations live in
-``langchain_kvboost`` and ``llama_index.llms.kvboost``. It does not import torch either until a name that
-needs the engine is used (``KVBoostRAG`` ...): the CLI's ``--help`` stays fast.
+``langchain_kvboost`` and ``llama_index.llms.kvboost``, which build on this library, and no module of it
+imports them. The CLI, demos, benches and server are the application layer :mod:`kvboost_rag.app`, above
+both. It does not import torch either until a name that needs the engine is used (``KVBoostRAG`` ...): the
+CLI's ``--help`` stays fast.
 """
 
 from __future__ import annotations
