@@ -1,14 +1,26 @@
-"""Sampling, stop strings and incremental detokenization."""
+"""Sampling, stop strings, incremental detokenization, and the logits-processor hook of generation."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 _MAX_SEED = 2**63 - 1
+
+# ``(generated_ids, logits) -> logits``: called before each token is sampled. ``generated_ids`` are the ids
+# sampled so far in this generation (a copy; empty before the first token), ``logits`` the next-token logits,
+# float32 of shape (V,). It returns the logits to sample from (shape (V,)); changing them in place and
+# returning them is fine (it runs under torch.inference_mode). To end the generation before the next token it raises :class:`StopGeneration`.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+class StopGeneration(Exception):
+    """Raised by a logits processor to end the generation before the next token is sampled; the result's
+    ``finish_reason`` is then "stop" (as for a stop string). Not StopIteration: inside a generator that
+    becomes a RuntimeError (PEP 479)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def check_logits_processor(processor: object) -> None:
+    if processor is not None and not callable(processor):
+        raise TypeError(f"logits_processor must be None or a callable (generated_ids, logits) -> logits, got "
+                        f"{type(processor).__name__}")
+
+
+def process_and_sample(processor: LogitsProcessor | None, generated: list[int], logits: torch.Tensor,
+                       params: SamplingParams, generator: torch.Generator | None) -> int | None:
+    """The next token: ``logits`` (V,) through ``processor`` (when given), then :func:`sample`. None when
+    the processor raised :class:`StopGeneration`."""
+    if processor is not None:
+        try:
+            with torch.inference_mode():  # the logits are inference tensors: in-place masking needs the mode
+                logits = processor(list(generated), logits)
+        except StopGeneration:
+            return None
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits_processor must return a torch.Tensor of logits, got {type(logits).__name__}")
+    return sample(logits, params, generator)
 
 
 class TextStream:

@@ -35,7 +35,13 @@ from kvboost_core.config import (
     validate_flag,
     validate_repair,
 )
-from kvboost_core.decode import SamplingParams, TextStream, sample
+from kvboost_core.decode import (
+    LogitsProcessor,
+    SamplingParams,
+    TextStream,
+    check_logits_processor,
+    process_and_sample,
+)
 from kvboost_core.forward import Schedule, decode_step, run_forward
 from kvboost_core.keys import content_key, model_fingerprint
 from kvboost_core.kv_encode import maybe_quantize
@@ -437,12 +443,15 @@ class KVEngine:
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationStream:
+               stop: str | Sequence[str] | None = None, seed: int | None = None, *,
+               logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationStream:
         """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
-        :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece."""
+        :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece.
+        ``logits_processor``: see :meth:`generate`."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
         self._check_run_kw(kw)
-        return GenerationStream(self, prompt, params, kw)
+        check_logits_processor(logits_processor)
+        return GenerationStream(self, prompt, params, dict(kw, logits_processor=logits_processor))
 
     _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
                "reuse_repaired", "recompute_mass", "query_tokens")
@@ -457,11 +466,19 @@ class KVEngine:
         validate_flag("store_prefix", kw.get("store_prefix"))
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 stop: str | Sequence[str] | None = None, seed: int | None = None, **kw: Any) -> GenerationResult:
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, *,
+                 logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationResult:
+        """Generate a completion of ``prompt`` (document KV reused as in :meth:`prefill`).
+
+        ``logits_processor(generated_ids, logits) -> logits`` is applied to the next-token logits (float32,
+        shape (V,)) before every token is sampled, the first one included; it may raise
+        :class:`kvboost_core.decode.StopGeneration` to end the generation (``finish_reason == "stop"``).
+        It only changes which token is picked: prefill, reuse and the stats are those of a plain call."""
         holder: dict[str, GenerationResult] = {}
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
         self._check_run_kw(kw)
-        for _ in self._run(prompt, params, holder=holder, **kw):
+        check_logits_processor(logits_processor)
+        for _ in self._run(prompt, params, holder=holder, logits_processor=logits_processor, **kw):
             pass
         return holder["result"]
 
@@ -469,7 +486,7 @@ class KVEngine:
              recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
              add_special_tokens: bool | None = None, store_prefix: bool | None = None,
              reuse_repaired: bool = True, recompute_mass: float | None = None,
-             query_tokens: int | None = None) -> Iterator[str]:
+             query_tokens: int | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
                                  query_tokens)
@@ -477,7 +494,10 @@ class KVEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
-        token = sample(pre.last_logits, params, generator)
+        generated: list[int] = []
+        # The processor may mask in place: it gets a copy, so the result's first_logits stay the model's own.
+        first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
+        token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
         ttft = time.perf_counter() - t0
         self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
 
@@ -485,10 +505,12 @@ class KVEngine:
         all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
         all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)
         text = TextStream(self.tokenizer, params.stop)
-        generated: list[int] = []
         pos = len(pre.token_ids)
         finish = "length"
         while True:
+            if token is None:  # the logits processor ended the generation
+                finish = "stop"
+                break
             generated.append(token)
             if token in self._eos:
                 finish = "eos"
@@ -506,7 +528,7 @@ class KVEngine:
             else:
                 logits = decode_step(self.adapter, all_ids, pos, cache)
             pos += 1
-            token = sample(logits.float(), params, generator)
+            token = process_and_sample(logits_processor, generated, logits.float(), params, generator)
         yield text.flush()
         if holder is not None:
             stats = dict(pre.stats, ttft_s=ttft, finish_reason=finish)

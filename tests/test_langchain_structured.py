@@ -61,3 +61,15 @@ def test_bad_method_and_missing_schema(chat):
         chat.with_structured_output(Person, method="xml")
     with pytest.raises(ValueError, match="needs a schema"):
         chat.with_structured_output(None)
+
+
+def test_structured_call_reuses_warmed_documents(chat):
+    from kvboost_rag.tiny import synthetic_facts
+
+    docs = synthetic_facts(4)
+    chat.warm_documents(docs, show_progress=False)
+    out = chat.with_structured_output(Person, include_raw=True).invoke(
+        "Documents:\n\n" + "\n\n".join(docs[1:3]) + "\n\nWho is described first?")
+    assert isinstance(out["parsed"], Person)
+    info = out["raw"].response_metadata["kvboost"]
+    assert info["documents"] == 2 and info["reuse_ratio"] > 0 and info["doc_tokens_reused"] > 0

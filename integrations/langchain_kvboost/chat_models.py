@@ -131,9 +131,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     def _structured(self, prompt: str, opts: dict[str, Any], fmt: dict[str, Any]) -> AIMessage:
         from kvboost_rag.constrained import generate_json
 
-        res = generate_json(self.rag, prompt, fmt.get("schema"), max_new_tokens=opts["max_new_tokens"],
-                            temperature=opts["temperature"], top_p=opts["top_p"], seed=opts["seed"],
-                            add_special_tokens=opts["add_special_tokens"])
+        # Through the engine like a plain call (warmed documents reused, repair options honoured); stop strings
+        # are not applied to JSON.
+        res = generate_json(self.rag, prompt, fmt.get("schema"), **opts)
         n_in, n_out = len(res.prompt_token_ids), len(res.token_ids)
         return AIMessage(content=res.text, usage_metadata=UsageMetadata(
             input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
