@@ -150,7 +150,10 @@ def deploy(args: argparse.Namespace, keys: dict[str, str] | None, host: str) -> 
     options[cap] = args.max_batch + args.max_queue
     serve.start(http_options={"host": host, "port": args.port})
     ingress = serve.ingress(ReplicaApp(params, keys))(KVBoostServer)
-    serve.run(serve.deployment(ingress, **options).bind(), name=APP_NAME, route_prefix="/")
+    run_kw: dict[str, Any] = {}
+    if "logging_config" in inspect.signature(serve.run).parameters:  # Serve's request lines, as --access-log
+        run_kw["logging_config"] = {"enable_access_log": bool(args.access_log)}
+    serve.run(serve.deployment(ingress, **options).bind(), name=APP_NAME, route_prefix="/", **run_kw)
     return f"http://{host}:{args.port}"
 
 
