@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +46,16 @@ class Calibration:
     min_top1: float
     trials: tuple[Trial, ...]
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        """Inverse of :meth:`to_dict` (raises KeyError/TypeError/ValueError on a malformed record)."""
+        trials = tuple(Trial(**t) for t in d["trials"])
+        cal = cls(float(d["recompute_ratio"]), int(d["check_layer"]), bool(d["met"]), float(d["max_kl"]),
+                  float(d["min_top1"]), trials)
+        if not 0 <= cal.recompute_ratio <= 1 or cal.check_layer < 0:
+            raise ValueError(f"calibration out of range: {cal.defaults()}")
+        return cal
+
     def defaults(self) -> dict[str, Any]:
         return {"recompute_ratio": self.recompute_ratio, "check_layer": self.check_layer}
 
@@ -66,22 +78,41 @@ def grid(num_layers: int, ratios: Sequence[float] = RATIOS, max_check_layer: int
 
 
 def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_top1: float = 0.95,
-              settings: Sequence[tuple[int, float]] | None = None) -> Calibration:
+              settings: Sequence[tuple[int, float]] | None = None, budget_s: float | None = None) -> Calibration:
     """Measure cacheblend against full prefill on ``prompts`` (documents warmed beforehand) for each setting,
-    cheapest first; stop at the first with mean KL <= ``max_kl`` and top-1 agreement >= ``min_top1``."""
+    cheapest first; stop at the first with mean KL <= ``max_kl`` and top-1 agreement >= ``min_top1``.
+
+    ``budget_s`` bounds the search: no new setting is tried once it is spent (the reference prefills count).
+    When no tried setting meets the target, the result has ``met=False`` and the lowest-KL setting tried."""
+    from kvboost_core.fidelity import compare_logits
+
     if not prompts:
         raise ValueError("calibrate needs at least one prompt with warmed documents in it")
     if max_kl < 0 or not 0 <= min_top1 <= 1:
         raise ValueError(f"max_kl must be >= 0 and min_top1 in [0, 1], got {max_kl!r}, {min_top1!r}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0 or None, got {budget_s!r}")
+    t0 = time.perf_counter()
     n_layers = engine.adapter.num_layers
+    # the reference once per prompt: a plain full prefill of exactly the ids the reuse path sees
+    refs = [engine.full_prefill_logits(engine.tokenize_ids(p)) for p in prompts]
     trials: list[Trial] = []
     for check_layer, ratio in settings or grid(n_layers):
-        rep = engine.verify(prompts, repairs=("cacheblend",), max_new_tokens=1, recompute_ratio=ratio,
-                            check_layer=check_layer)
-        s = rep.summary()["cacheblend"]
-        trials.append(Trial(check_layer, ratio, round(cost(check_layer, ratio, n_layers), 4), s["mean_kl"],
-                            s["top1_agree"], s["recomputed_share"]))
-        if s["mean_kl"] <= max_kl and s["top1_agree"] >= min_top1:
+        if trials and budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        kls, top1, share = [], [], []
+        for prompt, ref in zip(prompts, refs):
+            # store_prefix / reuse_repaired off: nothing stored, no earlier repaired prefix served
+            pre = engine.prefill(prompt, repair="cacheblend", recompute_ratio=ratio, check_layer=check_layer,
+                                 store_prefix=False, reuse_repaired=False)
+            c = compare_logits(ref, pre.last_logits)
+            kls.append(c["kl"])
+            top1.append(c["top1_agree"])
+            share.append(pre.stats["recomputed"] / pre.stats["prompt_tokens"])
+        trials.append(Trial(check_layer, ratio, round(cost(check_layer, ratio, n_layers), 4),
+                            statistics.fmean(kls), statistics.fmean(top1), statistics.fmean(share)))
+        t = trials[-1]
+        if t.mean_kl <= max_kl and t.top1_agree >= min_top1:
             return Calibration(ratio, check_layer, True, max_kl, min_top1, tuple(trials))
     best = min(trials, key=lambda t: t.mean_kl)
     return Calibration(best.recompute_ratio, best.check_layer, False, max_kl, min_top1, tuple(trials))

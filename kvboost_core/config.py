@@ -74,6 +74,11 @@ class EngineConfig:
     # None: the tokenizer's BOS (else EOS); "chat": the chat template's head before a user message (system turn
     # and user header); a str or a list of ids overrides
     warm_prefix: Any = None
+    # Calibrate CacheBlend on this model's own warmed documents the first time enough are warmed (see
+    # kvboost_core.autocalib): KVEngine.from_pretrained turns it on for models without a kvboost.json. The
+    # search stops after calibration_budget_s seconds; the result is cached by model fingerprint.
+    auto_calibrate: bool = False
+    calibration_budget_s: float = 60.0
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
     store_secret: str | bytes | None = field(default=None, repr=False)
@@ -96,6 +101,11 @@ class EngineConfig:
             raise ValueError(f"kv_bits must be None (model dtype), 16 (bf16), 8 or 4, got {self.kv_bits!r}")
         if not isinstance(self.kv_group_size, int) or self.kv_group_size < 1:
             raise ValueError(f"kv_group_size must be a positive int, got {self.kv_group_size!r}")
+        if not isinstance(self.auto_calibrate, bool):
+            raise TypeError(f"auto_calibrate must be a bool, got {type(self.auto_calibrate).__name__}")
+        if (isinstance(self.calibration_budget_s, bool) or not isinstance(self.calibration_budget_s, (int, float))
+                or not self.calibration_budget_s > 0):
+            raise ValueError(f"calibration_budget_s must be a number > 0, got {self.calibration_budget_s!r}")
         validate_namespace(self.namespace)
         if self.store_secret is not None and (not isinstance(self.store_secret, (str, bytes))
                                               or not self.store_secret):

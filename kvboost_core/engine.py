@@ -7,11 +7,12 @@ re-rotated) → repair (a compute schedule) → logits → decode.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +28,8 @@ from kvboost_core.assembly import (
     place,
     plan_chunks,
 )
+from kvboost_core.autocalib import FirstUse, load_cached
+from kvboost_core.autocalib import apply as apply_calibration
 from kvboost_core.chunking import boundary_predicate, chunk_spans
 from kvboost_core.config import (
     EngineConfig,
@@ -59,6 +62,9 @@ from kvboost_core.segments import (
 )
 from kvboost_core.store import DensePayload, KVBlock
 from kvboost_core.store.factory import build_store
+
+if TYPE_CHECKING:
+    from kvboost_core.calibrate import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +129,12 @@ class KVEngine:
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = self._eos_ids()
+        # calibration on first use (kvboost_core.autocalib): a cached result for this model applies at once
+        self.calibration: dict[str, Any] | None = None
+        cached = load_cached(self) if config.auto_calibrate and not self.adapter.no_reuse else None
+        if cached is not None:
+            apply_calibration(self, cached, "cached")
+        self._first_use = FirstUse(done=not config.auto_calibrate or cached is not None or bool(self.adapter.no_reuse))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -149,7 +161,13 @@ class KVEngine:
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
             from kvboost_core.calibrate import load_defaults
 
-            config_kwargs = {**load_defaults(name_or_path), **config_kwargs}
+            shipped = load_defaults(name_or_path)
+            # without one, calibrate on the first warmed documents, unless the caller chose the repair setting
+            chosen = {"recompute_ratio", "check_layer", "repair"} & set(config_kwargs)
+            off = os.environ.get("KVBOOST_AUTO_CALIBRATE", "").lower() in ("0", "false", "off", "no")
+            if not shipped and not chosen and not off:
+                config_kwargs.setdefault("auto_calibrate", True)
+            config_kwargs = {**shipped, **config_kwargs}
         return cls(model, tokenizer, **config_kwargs)
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
@@ -266,6 +284,7 @@ class KVEngine:
             log.warning("kvboost: %d of %d documents were computed but not stored (the cache budget is full of "
                         "entries it may not evict); raise max_cache_bytes", not_stored, len(segments))
         self._counters.add(warmed_tokens=tokens)
+        self._first_use.observe(self, doc_ids)
         return WarmResult(documents=len(segments), warmed=warmed, already_warm=already, chunks=chunks,
                           tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids,
                           not_stored=not_stored)
@@ -551,6 +570,35 @@ class KVEngine:
                 "evictions": s.get("evictions", 0), "hits_exact": c["hits_exact"],
                 "hits_repaired": c["hits_repaired"], "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
                 "warmed_tokens": c["warmed_tokens"], "store": s}
+
+    def calibrate(self, docs: Sequence[str | Sequence[int]] | None = None, *, prompts: Sequence[Any] | None = None,
+                  max_kl: float = 0.01, min_top1: float = 0.95, budget_s: float | None = None,
+                  save: bool = True) -> Calibration:
+        """Measure and apply the cheapest CacheBlend setting (ratio, check layer) whose mean first-token KL
+        against full prefill is <= ``max_kl`` with top-1 agreement >= ``min_top1``.
+
+        Probes are built from ``docs`` (texts or token ids; warmed here first), else from the documents warmed so
+        far; or pass your own ``prompts`` (lists of segments, documents warmed beforehand). The result is applied
+        to ``self.config``, recorded in ``self.calibration`` and, for probes from documents, cached under the
+        model's fingerprint for ``auto_calibrate`` engines. ``budget_s`` bounds the search (None: the config's)."""
+        from kvboost_core import autocalib
+
+        if docs is not None:
+            if isinstance(docs, (str, bytes)) or not isinstance(docs, Sequence):
+                raise TypeError(f"docs must be a list of texts or token-id lists, got {type(docs).__name__}")
+            ids = [self._encode(d) if isinstance(d, str) else list(d) for d in docs]
+            self.warm([Segment(token_ids=d) for d in ids])
+            sample = [d[: autocalib.MAX_DOC_TOKENS] for d in ids]
+        else:
+            sample = self._first_use.docs
+        if prompts is None and len(sample) < autocalib.PER_PROMPT + 1:
+            raise ValueError(f"calibrate needs at least {autocalib.PER_PROMPT + 1} warmed documents (docs=) or "
+                             f"prompts=; this engine has {len(sample)}")
+        budget = self.config.calibration_budget_s if budget_s is None else budget_s
+        with self._first_use.lock:
+            self._first_use.done = True
+            return autocalib.run(self, sample, budget_s=budget, prompts=prompts, max_kl=max_kl, min_top1=min_top1,
+                                 save=save)
 
     def clear(self) -> None:
         self.store.clear()
