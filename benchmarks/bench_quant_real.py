@@ -57,7 +57,7 @@ def byte_ratios(model: Any) -> dict[str, float]:
 
 
 def probe_prompts(tok: Any, n: int) -> list[list[int]]:
-    from kvboost_rag import rag_corpus as rc
+    from kvboost_rag.app import rag_corpus as rc
 
     text = "\n\n".join(rc.doc_text(d) for d in rc.load_corpus("eval").documents)
     ids = tok(text, add_special_tokens=False)["input_ids"][:2000]
@@ -92,8 +92,8 @@ def exact_prefix(model: Any, tok: Any, ps: list[list[int]], refs: list[torch.Ten
 def rag_answers(name: str, n: int, baseline: dict[str, Any], log: Any = print) -> dict[str, Any]:
     from kvboost_core.engine import KVEngine
     from kvboost_rag import KVBoostRAG
-    from kvboost_rag import rag_corpus as rc
-    from kvboost_rag.bench_rag import first_sentence, messages
+    from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.bench.rag import first_sentence, messages
 
     k, seed = baseline["k"], baseline["seed"]
     setting = "cacheblend-0.7"  # the shipped default of this model (kvboost.json), recorded in the baseline
