@@ -1,7 +1,7 @@
 """``kvboost-rag serve --ray --replicas N``: the same server, N times, behind Ray Serve's HTTP proxy.
 
 Each replica is a Ray actor that builds its own server from the command's arguments (model, engine,
-scheduler: :func:`kvboost_rag.app.server.main.build`), so only the arguments travel to the replicas, never a model.
+scheduler: :func:`kvboost_rag.app.server.factory.build`), so only the arguments travel to the replicas, never a model.
 Ray Serve balances requests across replicas; with a ``redis://`` store the replicas share document KV through
 Redis and warmed documents through :mod:`kvboost_rag.app.server.catalogue`, so a document warmed through any
 replica is a hit on every one. Each replica keeps its own in-memory tier and its own batch. Every response
@@ -70,7 +70,7 @@ class ReplicaApp:
 
     def _build(self) -> None:
         from kvboost_rag.app.loading import set_threads
-        from kvboost_rag.app.server.main import build
+        from kvboost_rag.app.server.factory import build
 
         args = argparse.Namespace(**self.args)
         set_threads(args.threads, args.model)
@@ -179,7 +179,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``--ray`` command: deploy, block until Ctrl-C (or SIGTERM), shut down."""
-    from kvboost_rag.app.server.main import access
+    from kvboost_rag.app.server.factory import access
 
     keys, host = access(args)
     _import_serve()
