@@ -9,7 +9,7 @@ tuning never saw) is prefilled and stored in the engine's configuration, quantiz
 then one new token is prefilled on top of it; its next-token logits are compared with a plain full prefill of
 the same ids (top-1 agreement, mean KL). Prefixes are 160-700 tokens, so every prompt reuses at least one
 quantized 128-token chunk (the chunk at position 0 holds the attention sink and stays dense by design); the
-share of reused tokens that were quantized is reported with the figures.
+share of reused tokens outside that chunk (quantized when kv_bits is set) is reported with the figures.
 
 RAG answers (``--rag N``): the first N held-out questions at k=12 (the same questions, order and seed as
 ``kvboost-rag bench rag --split eval``), through the transparent chat path at the model's shipped defaults,
@@ -86,7 +86,7 @@ def exact_prefix(model: Any, tok: Any, ps: list[list[int]], refs: list[torch.Ten
         raise RuntimeError("no exact-prefix reuse happened: nothing was measured")
     flips = int(len(agree) - sum(agree))
     return {"top1": round(statistics.fmean(agree), 4), "mean_kl": float(f"{statistics.fmean(kls):.3e}"),
-            "max_kl": float(f"{max(kls):.3e}"), "flips": flips, "quantized_share_of_reused": round(quantized / reused, 3)}
+            "max_kl": float(f"{max(kls):.3e}"), "flips": flips, "reused_outside_sink_chunk": round(quantized / reused, 3)}
 
 
 def rag_answers(name: str, n: int, baseline: dict[str, Any], log: Any = print) -> dict[str, Any]:
