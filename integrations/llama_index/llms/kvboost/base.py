@@ -271,6 +271,39 @@ class KVBoostLLM(CustomLLM):
 
         return agen()
 
+    # -- structured output: JSON enforced by constrained decoding ----------------------------------------------
+    def _structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None,
+                            prompt_args: dict[str, Any]) -> Any:
+        from pydantic import BaseModel
+
+        from kvboost_rag.constrained import generate_json
+
+        if not (isinstance(output_cls, type) and issubclass(output_cls, BaseModel)):
+            raise TypeError(f"output_cls must be a pydantic model class, got {output_cls!r}")
+        call_kw = self._call_kwargs(dict(llm_kwargs or {}))
+        call_kw.pop("stop", None)  # a stop string would cut the JSON short
+        if self._template_chat:
+            text = self._chat_prompt(prompt.format_messages(llm=self, **prompt_args))
+            call_kw = self._chat_kwargs(text, call_kw)
+        else:
+            text = self._full_prompt(prompt.format(llm=self, **prompt_args), False)
+        # through the engine like a plain call: warmed documents in the prompt are reused
+        res = generate_json(self._rag, text, output_cls.model_json_schema(), **call_kw)
+        if res.finish_reason == "length":
+            raise ValueError(f"structured_predict: the reply reached max_new_tokens={call_kw['max_new_tokens']} "
+                             "before its JSON was complete; raise max_new_tokens")
+        return output_cls.model_validate_json(res.text)
+
+    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Any:
+        """``output_cls`` from the model, its JSON schema enforced by constrained decoding (llguidance), so the
+        reply always parses (ValueError when ``max_new_tokens`` runs out first)."""
+        return self._structured_predict(output_cls, prompt, llm_kwargs, prompt_args)
+
+    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        return await run_blocking(self._structured_predict, output_cls, prompt, llm_kwargs, prompt_args)
+
     # -- chat: through the tokenizer's chat template ----------------------------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         if not self._template_chat:
