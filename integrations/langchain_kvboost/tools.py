@@ -10,8 +10,6 @@ Nothing here constrains decoding: a model that writes malformed JSON gets ``inva
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +17,7 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
+from kvboost_rag.toolcalls import parse_tool_call_blocks
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -28,26 +25,11 @@ def _call_id() -> str:
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
     """(text outside the tool-call blocks, parsed calls, blocks that are not a valid call)."""
-    calls: list[ToolCall] = []
-    invalid: list[InvalidToolCall] = []
-    for m in _CALL.finditer(text):
-        body = m.group(1).strip()
-        if not body:
-            continue
-        try:
-            data = json.loads(body)
-            name = data["name"]
-            args = data.get("arguments", data.get("parameters", {}))
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise TypeError("name must be a string and arguments an object")
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            invalid.append(InvalidToolCall(name=None, args=body, id=_call_id(), error=f"{type(exc).__name__}: "
-                                           f"{exc}", type="invalid_tool_call"))
-            continue
-        calls.append(ToolCall(name=name, args=args, id=_call_id(), type="tool_call"))
-    content = _CALL.sub("", text).strip() if (calls or invalid) else text
+    content, blocks = parse_tool_call_blocks(text)
+    calls = [ToolCall(name=b.name, args=b.args, id=_call_id(), type="tool_call")
+             for b in blocks if b.error is None and b.name is not None and b.args is not None]
+    invalid = [InvalidToolCall(name=None, args=b.body, id=_call_id(), error=b.error, type="invalid_tool_call")
+               for b in blocks if b.error is not None]
     return content, calls, invalid
 
 
