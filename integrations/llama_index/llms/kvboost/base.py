@@ -30,7 +30,9 @@ try:
     from llama_index.core.bridge.pydantic import Field, PrivateAttr
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
+    from llama_index.core.llms.function_calling import FunctionCallingLLM
     from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
+    from llama_index.llms.kvboost._tools import tool_chat_dicts, with_tool_calls
 except ImportError as exc:  # pragma: no cover - exercised only without llama-index installed
     raise ImportError(f"llama_index.llms.kvboost needs llama-index-core: {_HINT}") from exc
 
@@ -85,7 +87,7 @@ def _model_name(engine: KVEngine) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the LLM
-class KVBoostLLM(CustomLLM):
+class KVBoostLLM(FunctionCallingLLM, CustomLLM):
     """A local HuggingFace model behind kvboost: warmed documents' KV is reused wherever they appear in a prompt.
 
     Build it with ``KVBoostLLM.from_model_id(path, **engine_kwargs)`` or ``KVBoostLLM(engine=KVEngine(...))``.
@@ -195,7 +197,11 @@ class KVBoostLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         ctx = self.context_window or self._model_context()
         return LLMMetadata(context_window=ctx, num_output=self.max_new_tokens, model_name=self.model_name,
-                           is_chat_model=self.is_chat_model)
+                           is_chat_model=self.is_chat_model, is_function_calling_model=self._template_has_tools())
+
+    def _template_has_tools(self) -> bool:
+        template = getattr(self._rag.tokenizer, "chat_template", None) if self._template_chat else None
+        return isinstance(template, str) and "tools" in template
 
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -305,12 +311,12 @@ class KVBoostLLM(CustomLLM):
         return await run_blocking(self._structured_predict, output_cls, prompt, llm_kwargs, prompt_args)
 
     # -- chat: through the tokenizer's chat template ----------------------------------------------------------
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+    def _chat_prompt(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
         if not self._template_chat:
+            if tools:
+                raise ValueError("tools need the tokenizer's chat template; this KVBoostLLM has messages_to_prompt")
             return self.messages_to_prompt(messages)
-        rendered = [{"role": m.role.value if hasattr(m.role, "value") else str(m.role), "content": m.content or ""}
-                    for m in messages]
-        return self._rag.chat_prompt(rendered)
+        return self._rag.chat_prompt(tool_chat_dicts(messages), tools)
 
     def _chat_kwargs(self, prompt: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         # A template that writes BOS itself must not get a second one (as apply_chat_template(tokenize=True)).
@@ -322,8 +328,11 @@ class KVBoostLLM(CustomLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 
-        prompt = self._chat_prompt(messages)
-        return completion_response_to_chat_response(self._complete(prompt, True, self._chat_kwargs(prompt, kwargs)))
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        prompt = self._chat_prompt(messages, tools)
+        resp = completion_response_to_chat_response(self._complete(prompt, True, self._chat_kwargs(prompt, kwargs)))
+        return with_tool_calls(resp) if tools else resp
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -337,9 +346,12 @@ class KVBoostLLM(CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 
-        prompt = self._chat_prompt(messages)
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        prompt = self._chat_prompt(messages, tools)
         resp = await run_blocking(self._complete, prompt, True, self._chat_kwargs(prompt, kwargs))
-        return completion_response_to_chat_response(resp)
+        out = completion_response_to_chat_response(resp)
+        return with_tool_calls(out) if tools else out
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -353,6 +365,29 @@ class KVBoostLLM(CustomLLM):
                 yield item
 
         return astream_completion_response_to_chat_response(agen())
+
+
+    # -- function calling: tools rendered by the chat template, <tool_call> replies parsed ----------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 **kwargs: Any) -> dict[str, Any]:
+        """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``)."""
+        if not self._template_has_tools():
+            raise ValueError("function calling needs a chat template that renders tools; this tokenizer's "
+                             "template does not mention them")
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools], **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[Any]:
+        """The reply's ``<tool_call>`` blocks as ToolSelections (ValueError when there is none, if asked)."""
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call in the reply, got {response.message.content!r}")
+        return list(calls)
 
 
 __all__ = ["KVBoostLLM", "registry_key", "render_node"]
