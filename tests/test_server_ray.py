@@ -11,6 +11,7 @@ import pytest
 from _redis_fixture import free_port, redis_server, redis_url  # noqa: F401
 from _server_fixture import demo_workload
 
+from kvboost_rag.app.server import factory as server_factory
 from kvboost_rag.app.server import main as server_main
 
 httpx = pytest.importorskip("httpx")
@@ -30,7 +31,7 @@ def _args(*argv: str):
 ])
 def test_flag_errors(argv, message):
     with pytest.raises(SystemExit, match=message):
-        server_main.access(_args(*argv))
+        server_factory.access(_args(*argv))
 
 
 def test_replicas_must_be_positive(capsys):
@@ -40,7 +41,7 @@ def test_replicas_must_be_positive(capsys):
 
 
 def test_one_replica_may_use_any_store():
-    keys, host = server_main.access(_args("--ray", "--replicas", "1"))
+    keys, host = server_factory.access(_args("--ray", "--replicas", "1"))
     assert keys is None and host == "127.0.0.1"
 
 
@@ -84,7 +85,7 @@ def test_document_warmed_through_one_replica_is_a_hit_on_the_other(redis_url):  
     assert docs, "the demo prompts contain no corpus document"
     args = _args("--ray", "--replicas", "2", "--store", redis_url, "--port", str(free_port()),
                  "--default-temperature", "0", "--max-queue", "8")
-    keys, host = server_main.access(args)
+    keys, host = server_factory.access(args)
     t0 = time.monotonic()
     started = ray_serve.connect("local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2,
                                 log_to_driver=False)

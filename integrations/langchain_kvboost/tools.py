@@ -19,6 +19,7 @@ from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
 from kvboost_rag.toolcalls import parse_tool_call_blocks
 
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
