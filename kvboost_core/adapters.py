@@ -50,6 +50,8 @@ class ScatterCache:
         self.kv_only = False
         self.is_compileable = False
         self.hf: Any = None  # the HF cache object on the prefix-only path
+        # positions >= gate_from run through the reader adapter (kvboost_core.reader), if one is attached
+        self.gate_from: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +84,7 @@ class ModelAdapter:
     # Why no KV is reused at all (plain HF generation), or None. Set for prefix-only families with sliding-window
     # layers: HF keeps only the last `window` tokens of those layers, so their KV cannot be stored or re-placed.
     no_reuse: str | None = None
+    reader: Any = None  # a kvboost_core.reader.ReaderAdapter attached to the model, or None
 
     @classmethod
     def for_model(cls, model: Any) -> ModelAdapter:
@@ -177,6 +180,8 @@ class ModelAdapter:
 
     def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor | None, cos_sin, positions: torch.Tensor,
                   cache: ScatterCache) -> torch.Tensor:
+        if self.reader is not None:
+            self.reader.set_rows(positions, cache.gate_from)
         out = self.inner.layers[i](hidden, attention_mask=mask, position_embeddings=cos_sin,
                                    position_ids=positions.view(1, -1), cache=cache, use_cache=True)
         return out[0] if isinstance(out, tuple) else out

@@ -79,6 +79,9 @@ class EngineConfig:
     # search stops after calibration_budget_s seconds; the result is cached by model fingerprint.
     auto_calibrate: bool = False
     calibration_budget_s: float = 60.0
+    # A reader adapter directory (``kvboost-rag adapt``): gated LoRA weights the tokens that read re-placed
+    # document KV run through (kvboost_core.reader). None: the base model only.
+    reader_adapter: str | None = None
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
     store_secret: str | bytes | None = field(default=None, repr=False)
@@ -107,6 +110,11 @@ class EngineConfig:
                 or not self.calibration_budget_s > 0):
             raise ValueError(f"calibration_budget_s must be a number > 0, got {self.calibration_budget_s!r}")
         validate_namespace(self.namespace)
+        if self.reader_adapter is not None and (not isinstance(self.reader_adapter, str) or not self.reader_adapter):
+            raise TypeError(f"reader_adapter must be None or a directory path (str), got {self.reader_adapter!r}")
+        if self.reader_adapter is not None and self.store_repaired:
+            raise ValueError("reader_adapter and store_repaired=True cannot be combined: KV computed through the "
+                             "adapter must not be served to later prompts as their prefix")
         if self.store_secret is not None and (not isinstance(self.store_secret, (str, bytes))
                                               or not self.store_secret):
             raise ValueError("store_secret must be a non-empty str or bytes, or None")

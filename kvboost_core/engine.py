@@ -120,7 +120,8 @@ class KVEngine:
         if self.adapter.no_reuse:  # once per engine: every request then runs as plain HF generation
             warnings.warn(f"kvboost: {self.adapter.no_reuse}", stacklevel=2)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
-        self.fingerprint = model_fingerprint(model, tokenizer)
+        self.fingerprint = model_fingerprint(model, tokenizer)  # of the base model, before any reader adapter
+        self.reader = self._load_reader(config.reader_adapter)
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
                                  namespace=config.namespace, secret=config.store_secret)
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
@@ -169,6 +170,19 @@ class KVEngine:
                 config_kwargs.setdefault("auto_calibrate", True)
             config_kwargs = {**shipped, **config_kwargs}
         return cls(model, tokenizer, **config_kwargs)
+
+    def _load_reader(self, path: str | None) -> Any:
+        if path is None:
+            return None
+        if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
+            raise ValueError("reader_adapter needs a model whose documents can be re-placed (a supported RoPE "
+                             "family); this one reuses exact prefixes only")
+        from kvboost_core.reader import ReaderAdapter
+
+        reader = ReaderAdapter.load(self.model, os.path.expanduser(path), self.fingerprint)
+        self.adapter.reader = reader
+        log.info("kvboost: reader adapter loaded from %s (rank %d)", path, reader.meta.rank)
+        return reader
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
         if spec == "chat":  # the chat template's head before a user message (see segments.chat_head_text)
@@ -382,6 +396,7 @@ class KVEngine:
         ids_t = torch.tensor(plan.token_ids, device=a.device)
         if a.layerwise:
             schedule = build_schedule(plan, spec, a.num_layers, a.device)
+            cache.gate_from = self._gate_from(plan, spec, schedule)
             with torch.inference_mode():
                 hidden, trace = run_forward(a, ids_t, cache, schedule, total)
                 logits = a.logits(hidden)[0, -1].float()
@@ -395,13 +410,26 @@ class KVEngine:
             per_layer, kv_only = [total - reused] * a.num_layers, 0
         t_fwd = time.perf_counter()
         stats = self._prefill_stats(plan, final, spec, per_layer)
-        stats.update(check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
+        stats.update(reader=cache.gate_from is not None, check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
                      assemble_s=t_place - t_lookup, forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
         self._counters.add(hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
                            hits_content=plan.hits_content, misses=plan.misses, prefills=1)
         result = PrefillResult(token_ids=list(plan.token_ids), last_logits=logits,
                                cache=AssembledCache(cache.keys, cache.values, total), stats=stats)
         return result, plan, cache
+
+    def _gate_from(self, plan: Plan, spec: RepairSpec, schedule: Schedule) -> int | None:
+        """Where the reader adapter starts: after the last re-placed (approximate) token, when the schedule may
+        leave any of them unrecomputed; None (the base model throughout) otherwise, so exact and fully
+        recomputed prompts are answered exactly as the base model answers them."""
+        if self.reader is None or spec.repair == "full":
+            return None
+        approx = [i for i, s in enumerate(plan.status) if s in (APPROX, REPAIRED)]
+        if not approx:
+            return None
+        if schedule.check_layer is not None and schedule.n_select >= schedule.candidates.numel() > 0:
+            return None  # CacheBlend keeps every candidate: nothing approximate is read
+        return approx[-1] + 1
 
     @staticmethod
     def _prefill_stats(plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]) -> dict[str, Any]:

@@ -123,6 +123,8 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     finally:
         cache.on_update = None
         cache.positions = None
+        if adapter.reader is not None:  # later plain HF calls on this thread run the base model
+            adapter.reader.set_rows(positions, None)
     return hidden[:, -1:], trace
 
 
