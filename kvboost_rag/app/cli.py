@@ -5,6 +5,7 @@
     kvboost-rag fidelity [--model M] [--json] [--recompute-ratio R] [--check-layer C]
     kvboost-rag calibrate [--model M] [--max-kl X] [--write]   (the cheapest CacheBlend setting meeting X)
     kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.app.bench.ttft)
+    kvboost-rag adapt --out DIR ...  (train a reader adapter: kvboost_rag.app.adapt; adapt --help)
 
 ``--model`` defaults to the embedded demo model (kvboost_rag/app/assets/demo_model) everywhere; the demo falls back
 to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
@@ -237,6 +238,12 @@ def run_bench(rest: Sequence[str]) -> int:
     return int(rc or 0)
 
 
+def run_adapt(rest: Sequence[str]) -> int:
+    from kvboost_rag.app.adapt import main as adapt_main
+
+    return int(adapt_main(list(rest)) or 0)
+
+
 # ---------------------------------------------------------------------------------------------- parser
 _MODEL_HELP = "HF model directory or hub id (default: the embedded demo model)"
 
@@ -245,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kvboost-rag", description="KV cache reuse for RAG on local HF models.",
                epilog="Errors print one line; add --debug (anywhere) for the full traceback.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench,serve}",
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,warm,fidelity,calibrate,bench,adapt,serve}",
                            parser_class=Parser)
 
     d = sub.add_parser("demo", help="LangChain RAG chat over the bundled English corpus on a real instruct model: "
@@ -302,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="benchmarks (arguments forwarded to kvboost_rag.app.bench.ttft; bench --help)",
                    add_help=False)
+    sub.add_parser("adapt", help="train a reader adapter by distillation (arguments forwarded to "
+                                 "kvboost_rag.app.adapt; adapt --help)", add_help=False)
     from kvboost_rag.app.server.main import (
         add_arguments as serve_arguments,  # argparse only; FastAPI loads later
     )
@@ -335,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return run_bench(argv[1:])  # bench owns its own parser
+    if argv and argv[0] == "adapt":
+        return run_adapt(argv[1:])  # so does adapt
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]  # accepted anywhere on the line
     args = build_parser().parse_args(argv)

@@ -189,7 +189,8 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     summaries = {s: asdict(summarize(s, r, full_ttft)) for s, r in rows.items()}
     return {"split": split, "k": k, "questions": len(sets), "max_new_tokens": max_new_tokens, "seed": seed,
             "prompt_tokens_median": statistics.median(prompt_tokens), "warm_s": warm_s,
-            "engine": {"recompute_ratio": engine.config.recompute_ratio, "check_layer": engine.config.check_layer,
+            "engine": {"reader_adapter": engine.config.reader_adapter,
+                       "recompute_ratio": engine.config.recompute_ratio, "check_layer": engine.config.check_layer,
                        "select": engine.config.select, "repair": engine.config.repair},
             "settings": {s: kw for s, kw in settings.items()}, "summary": summaries,
             "rows": {s: [asdict(x) for x in r] for s, r in rows.items()}}
@@ -300,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--warm-prefix", default=None, help="engine warm_prefix ('chat': behind the template's head)")
+    ap.add_argument("--reader", default=None, metavar="DIR",
+                    help="a reader adapter (kvboost-rag adapt) for every reuse setting; plain HF stays the base model")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--ttft-k", type=int, default=0,
                     help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
@@ -327,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(result)
         _save(result, args.json_path, args.plot_path)
         return 0
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu", warm_prefix=args.warm_prefix)
+    rag = KVBoostRAG.from_model_id(args.model, device="cpu", warm_prefix=args.warm_prefix,
+                                   reader_adapter=args.reader)
     if args.ttft_k:
         result = ttft_long(rag, args.ttft_k, args.ttft_prompts, chosen)
         print(f"{result['prompt_tokens_median']} prompt tokens (median), {args.ttft_prompts} prompts")
