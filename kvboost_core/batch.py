@@ -84,31 +84,32 @@ class BatchSlot:
 
 @dataclass(slots=True)
 class Prefilled:
-    """A prompt prefilled for the batch: its result (ids, first logits, stats) and the prefix to store."""
+    """A prompt prefilled for the batch: its result (ids, first logits, stats) and the canonical prefix chunks
+    to store."""
 
     result: PrefillResult
     _engine: Any
-    _plan: Any
-    _cache: Any
-    _spec: Any
-    _store_prefix: bool | None
+    _to_store: list
 
     def store_prefix(self) -> None:
-        """Store the prompt's chunks under prefix keys (after the first token: not on the TTFT path)."""
-        self._engine._store_prefix(self._plan, self._cache, self._spec, self._store_prefix)
-        self._cache = None  # the batch holds its own copy of the KV
+        """Store the prompt's computed canonical chunks (after the first token: not on the TTFT path)."""
+        for key, block in self._to_store:
+            self._engine.store.put(key, block)
+        self._to_store = []
 
 
 def prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None, store_prefix: bool | None = None,
             repair: str | None = None, recompute_ratio: float | None = None, select: str | None = None,
             check_layer: int | None = None) -> Prefilled:
-    """``engine``'s own prefill (lookup, placement, repair) of ``prompt``, sized to the prompt alone: the batch
-    copies the KV into its buffers, so the prefill buffer needs no room for new tokens."""
-    import time
+    """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
+    :func:`kvboost_core.canonical.canonical_prefill`: the result depends on the prompt and the warmed documents
+    only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers."""
+    from kvboost_core.canonical import canonical_prefill
 
     spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
-    result, plan, cache = engine._prefill(prompt, spec, 0, add_special_tokens, time.perf_counter())
-    return Prefilled(result, engine, plan, cache, spec, store_prefix)
+    enabled = engine.config.store_prefix if store_prefix is None else store_prefix
+    pre = canonical_prefill(engine, prompt, spec, add_special_tokens, build_blocks=bool(enabled))
+    return Prefilled(pre.result, engine, pre.to_store)
 
 
 class _BatchCache:
