@@ -59,6 +59,13 @@ def access(args: argparse.Namespace) -> tuple[dict[str, str] | None, str]:
     return keys, host
 
 
+def catalogue_bounds(args: argparse.Namespace) -> dict[str, int]:
+    """The document catalogue's bounds given on the command line (the catalogue's defaults otherwise)."""
+    bounds = {"max_entries": getattr(args, "catalogue_max_docs", None),
+              "max_bytes": getattr(args, "catalogue_max_bytes", None)}
+    return {k: v for k, v in bounds.items() if v is not None}
+
+
 def build(args: argparse.Namespace, *, replica: str | None = None,
           keys: dict[str, str] | None = None) -> tuple[Any, str]:
     """(the FastAPI app, the host to bind). ``replica`` names this process among several (Ray Serve), whose
@@ -84,5 +91,5 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
         from kvboost_rag.app.server.catalogue import for_store
 
         state.replica = replica
-        state.catalogue = for_store(args.store, loaded.engine.fingerprint)
+        state.catalogue = for_store(args.store, loaded.engine.fingerprint, **catalogue_bounds(args))
     return create_app(state), host
