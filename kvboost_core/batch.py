@@ -98,18 +98,45 @@ class Prefilled:
         self._to_store = []
 
 
-def prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None, store_prefix: bool | None = None,
-            repair: str | None = None, recompute_ratio: float | None = None, select: str | None = None,
-            check_layer: int | None = None) -> Prefilled:
+class PrefillTask:
+    """A prefill in steps, for a scheduler that interleaves it with decode steps: :meth:`advance` computes
+    about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result."""
+
+    def __init__(self, engine: Any, job: Any) -> None:
+        self._engine, self._job = engine, job
+
+    @property
+    def n_prompt(self) -> int:
+        return int(self._job.n_prompt)
+
+    @property
+    def done(self) -> bool:
+        return bool(self._job.done)
+
+    def advance(self, budget: int | None = None) -> bool:
+        return bool(self._job.advance(budget))
+
+    def finish(self) -> Prefilled:
+        pre = self._job.finish()
+        return Prefilled(pre.result, self._engine, pre.to_store)
+
+
+def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None,
+                  store_prefix: bool | None = None, repair: str | None = None, recompute_ratio: float | None = None,
+                  select: str | None = None, check_layer: int | None = None) -> PrefillTask:
     """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
-    :func:`kvboost_core.canonical.canonical_prefill`: the result depends on the prompt and the warmed documents
+    :class:`kvboost_core.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
     only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers."""
-    from kvboost_core.canonical import canonical_prefill
+    from kvboost_core.canonical import CanonicalJob
 
     spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
     enabled = engine.config.store_prefix if store_prefix is None else store_prefix
-    pre = canonical_prefill(engine, prompt, spec, add_special_tokens, build_blocks=bool(enabled))
-    return Prefilled(pre.result, engine, pre.to_store)
+    return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=bool(enabled)))
+
+
+def prefill(engine: Any, prompt: Any, **kw: Any) -> Prefilled:
+    """:func:`start_prefill` run to the end at once."""
+    return start_prefill(engine, prompt, **kw).finish()
 
 
 class _BatchCache:

@@ -44,7 +44,8 @@ class Recorder:
         return self._sample(logits, params, generator)
 
 
-def _serve(sched: Scheduler, rag: Any, reqs: list[dict[str, Any]], rec: Recorder) -> list[tuple[list, list]]:
+def _serve(sched: Scheduler, rag: Any, reqs: list[dict[str, Any]], rec: Recorder, new: int = NEW
+           ) -> list[tuple[list, list]]:
     """Submit every request at once (they share decode steps); (generated tokens, logits per step) each."""
     done = [threading.Event() for _ in reqs]
     errors: list[Any] = []
@@ -55,7 +56,7 @@ def _serve(sched: Scheduler, rag: Any, reqs: list[dict[str, Any]], rec: Recorder
                 errors.append(payload)
             if kind in ("done", "error"):
                 done[i].set()
-        params = SamplingParams.create(NEW)
+        params = SamplingParams.create(new)
         r = GenRequest(rag=rag, params=params, emit=emit, ignore_eos=True, **kw)
         out.append(r)
     for r in out:
@@ -67,7 +68,7 @@ def _serve(sched: Scheduler, rag: Any, reqs: list[dict[str, Any]], rec: Recorder
 
 
 def _check(model: Any, tokenizer: Any, docs: list[str], target: dict[str, Any], others: list[dict[str, Any]],
-           monkeypatch: pytest.MonkeyPatch) -> None:
+           monkeypatch: pytest.MonkeyPatch, prefill_chunk: int | None = None) -> None:
     rec = Recorder()
     monkeypatch.setattr(sched_mod, "sample", rec)
     base = KVEngine(model, tokenizer)
@@ -77,10 +78,10 @@ def _check(model: Any, tokenizer: Any, docs: list[str], target: dict[str, Any], 
         rag.warm_documents(docs, progress=False)
         return rag
 
-    sched = Scheduler(base.adapter, max_batch=4)
+    (cold,) = _serve_once(base.adapter, fresh(), [target], rec)  # (a) cold, unchunked, alone
+    sched = Scheduler(base.adapter, max_batch=4, prefill_chunk=prefill_chunk)
     sched.start()
     try:
-        (cold,) = _serve(sched, fresh(), [target], rec)  # (a) cold
         rag = fresh()
         for o in others:  # (b) after requests sharing its head and documents (they store prefix chunks)
             _serve(sched, rag, [o], rec)
@@ -101,6 +102,15 @@ def _check(model: Any, tokenizer: Any, docs: list[str], target: dict[str, Any], 
 SYSTEM = "You are a careful assistant. " * 40 + "Answer with the fact from the documents."
 
 
+def _serve_once(adapter: Any, rag: Any, reqs: list[dict[str, Any]], rec: Recorder) -> list[tuple[list, list]]:
+    sched = Scheduler(adapter, max_batch=4)
+    sched.start()
+    try:
+        return _serve(sched, rag, reqs, rec)
+    finally:
+        sched.shutdown()
+
+
 def _rag_chat(docs: list[str], question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": dd.build_prompt(docs, question)}]
@@ -119,7 +129,8 @@ def test_real_model_rag_chat_is_history_and_batch_independent(monkeypatch):
 
 
 @pytest.mark.skipif(not dd.demo_model_available(), reason="the embedded demo model is missing")
-def test_demo_model_completion_is_history_and_batch_independent(monkeypatch):
+@pytest.mark.parametrize("prefill_chunk", [None, 64])
+def test_demo_model_completion_is_history_and_batch_independent(monkeypatch, prefill_chunk):
     from kvboost_rag.app.loading import load_engine
 
     eng = load_engine("demo").engine
@@ -129,4 +140,50 @@ def test_demo_model_completion_is_history_and_batch_independent(monkeypatch):
     target = {"prompt": head + docs[2] + "\n\n" + docs[1] + "\n\nQuestion: what is the country?\nAnswer:"}
     others = [{"prompt": head + docs[2] + "\n\n" + docs[3] + "\n\nQuestion: which river?\nAnswer:"},
               {"prompt": head + docs[2] + "\n\n" + docs[1] + "\n\n" + docs[4] + "\n\nQuestion: who?\nAnswer:"}]
-    _check(eng.model, eng.tokenizer, docs, target, others, monkeypatch)
+    _check(eng.model, eng.tokenizer, docs, target, others, monkeypatch, prefill_chunk)
+
+
+@pytest.mark.skipif(not dd.demo_model_available(), reason="the embedded demo model is missing")
+def test_chunked_prefill_interleaves_decode_and_changes_no_bit(monkeypatch):
+    """A long cold prompt arrives while a request decodes: with --prefill-chunk its head is computed in pieces
+    with decode steps between them, and both requests get bitwise the logits they get unchunked."""
+    from kvboost_core import batch
+    from kvboost_rag.app.loading import load_engine
+
+    eng = load_engine("demo").engine
+    records = [d["text"] for d in dd.load_corpus()]
+    short = {"prompt": "Documents:\n\n" + records[0] + "\n\nQuestion: who?\nAnswer:"}
+    long_prompt = {"prompt": "\n".join(records[1:110]) + "\n\nQuestion: which country?\nAnswer:"}
+    events: list[str] = []
+    advance, step = batch.PrefillTask.advance, Scheduler._step
+
+    def logged_advance(self: Any, budget: int | None = None) -> bool:
+        events.append("prefill")
+        return advance(self, budget)
+
+    def logged_step(self: Any) -> None:
+        events.append("decode")
+        step(self)
+
+    monkeypatch.setattr(batch.PrefillTask, "advance", logged_advance)
+    monkeypatch.setattr(Scheduler, "_step", logged_step)
+    runs = {}
+    for chunk in (None, 64):
+        rec = Recorder()
+        monkeypatch.setattr(sched_mod, "sample", rec)
+        rag = KVBoostRAG(KVEngine(eng.model, eng.tokenizer, eng.config))
+        sched = Scheduler(eng.adapter, max_batch=4, prefill_chunk=chunk)
+        sched.start()
+        events.clear()
+        try:
+            runs[chunk] = _serve(sched, rag, [short, long_prompt], rec, new=40)  # short still runs after
+        finally:
+            sched.shutdown()
+        if chunk is not None:
+            assert len(eng.tokenize_ids(long_prompt["prompt"])) > 8 * eng.config.chunk_size  # many pieces
+            pieces = [i for i, e in enumerate(events) if e == "prefill"]
+            assert len(pieces) > 4
+            # between two pieces of the long prompt's prefill the running request got a decode step
+            assert all("decode" in events[a + 1:b] for a, b in zip(pieces, pieces[1:]))
+    for (ta, la), (tb, lb) in zip(runs[None], runs[64]):
+        assert ta == tb and all(torch.equal(x, y) for x, y in zip(la, lb))

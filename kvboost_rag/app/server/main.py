@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (1 turns batching off)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                   help="chunked prefill: a long prompt's head is computed about this many tokens per scheduler "
+                        "iteration, between the running requests' decode steps (default 512; 0: whole prompts). "
+                        "Outputs do not depend on it")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature when a request gives none (OpenAI's default is 1.0; 0 is greedy)")
