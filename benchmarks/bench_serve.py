@@ -4,7 +4,8 @@ For each concurrency level, closed-loop clients send RAG chat requests (warmed d
 question) and stream the answers: output tokens/s, TTFT and end-to-end p50/p99, errors. The same workload runs
 against the server with batching (``--max-batch 8``), without (``--max-batch 1``), and as plain HF greedy
 generation run sequentially in process (full prefill, no reuse). Outputs of the batched server are compared
-with the unbatched server's (sequential greedy through the same reuse path). Also measured: decode throughput
+with the unbatched server's (sequential greedy through the same reuse path): equal since decode is batch-invariant
+and prefill history-independent (benchmarks/serve_determinism.py checks the logits bitwise). Also measured: decode throughput
 from the server's own step timer, the batch's KV memory at the top concurrency, and the stall one long cold
 prompt causes the requests decoding when it arrives.
 
@@ -242,8 +243,9 @@ def run_server_levels(model: str, args: argparse.Namespace, max_batch: int, docs
     from _server_fixture import running_server
 
     threads = ["--threads", str(args.threads)] if args.threads else []
+    chunk = ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
     with running_server(tmp, "--model", model, "--served-model-name", "bench", "--max-batch", str(max_batch),
-                        "--max-queue", "256", *threads, start_timeout=300) as srv:
+                        "--max-queue", "256", *threads, *chunk, start_timeout=300) as srv:
         r = httpx.post(srv.v1 + "/documents", json={"documents": docs}, timeout=1200)
         r.raise_for_status()
         warm = r.json()
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, help="requests per level (default: 4 x concurrency)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the servers' --prefill-chunk (default: theirs; 0: whole prompts, no chunked prefill)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--decode-micro", action="store_true", help="also time batched decode steps in process")
     p.add_argument("--json", default=None)

@@ -15,19 +15,60 @@ Design choices, and why:
   step reads ``buf[:n, :, :L]``, a view, never a gather.
 - The buffer grows (doubling, re-allocated and copied) when the longest active request outgrows it: memory
   follows the longest active request's current length, not its token limit or the model's context.
+- Batch invariance: a request's tokens must not depend on who shares its steps. Attention is per row already;
+  the linear layers are not: BLAS picks its kernel, and so the summation order, by the number of rows (on
+  CPU fp32 a row's output differs in the last bits between 1, 2..8 and 16 rows). During a step every plain
+  ``nn.Linear`` of the decoder (and the LM head) therefore runs on tiles of exactly ``ROW_TILE`` rows, the
+  last one zero-padded; with a fixed tile a row's result depends on nothing but the row. Attention reads
+  the buffers up to the longest row, and the fused attention kernel's result for a row changes with that
+  length within its last key block (torch's CPU flash kernel splits keys in blocks of 512): the length read
+  is rounded up to a multiple of ``ATTN_QUANTUM``, after which the masked blocks past a row add exact zeros.
+  Both are checked end to end in tests/test_server_determinism.py (a request alone vs in a batch, bitwise).
+  Quantized linear subclasses are left as they are (not covered).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvboost_core.adapters import ModelAdapter
 from kvboost_core.results import PrefillResult
 
 _HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
+ROW_TILE = 8  # decode linears run on tiles of exactly this many rows (see "Batch invariance" above)
+ATTN_QUANTUM = 512  # the attended length is a multiple of this (the CPU flash-attention kernel's key block)
+
+
+def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` computed ``ROW_TILE`` rows at a time (the last tile zero-padded): the same BLAS call, so
+    the same summation order, for a row whatever the number of rows beside it."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    pad = -n % ROW_TILE
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad, flat.shape[1])))
+    out = torch.cat([F.linear(flat[i:i + ROW_TILE], module.weight, module.bias)
+                     for i in range(0, n + pad, ROW_TILE)])
+    return out[:n].view(*x.shape[:-1], out.shape[-1])
+
+
+@contextlib.contextmanager
+def row_tiled(modules: list[torch.nn.Linear]) -> Iterator[None]:
+    """Within the block, ``modules`` compute on row tiles (an instance attribute shadows ``forward``; removed
+    on exit, so nothing outside the block changes)."""
+    for m in modules:
+        m.__dict__["forward"] = _tiled_linear.__get__(m)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("forward", None)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,31 +84,59 @@ class BatchSlot:
 
 @dataclass(slots=True)
 class Prefilled:
-    """A prompt prefilled for the batch: its result (ids, first logits, stats) and the prefix to store."""
+    """A prompt prefilled for the batch: its result (ids, first logits, stats) and the canonical prefix chunks
+    to store."""
 
     result: PrefillResult
     _engine: Any
-    _plan: Any
-    _cache: Any
-    _spec: Any
-    _store_prefix: bool | None
+    _to_store: list
 
     def store_prefix(self) -> None:
-        """Store the prompt's chunks under prefix keys (after the first token: not on the TTFT path)."""
-        self._engine._store_prefix(self._plan, self._cache, self._spec, self._store_prefix)
-        self._cache = None  # the batch holds its own copy of the KV
+        """Store the prompt's computed canonical chunks (after the first token: not on the TTFT path)."""
+        for key, block in self._to_store:
+            self._engine.store.put(key, block)
+        self._to_store = []
 
 
-def prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None, store_prefix: bool | None = None,
-            repair: str | None = None, recompute_ratio: float | None = None, select: str | None = None,
-            check_layer: int | None = None) -> Prefilled:
-    """``engine``'s own prefill (lookup, placement, repair) of ``prompt``, sized to the prompt alone: the batch
-    copies the KV into its buffers, so the prefill buffer needs no room for new tokens."""
-    import time
+class PrefillTask:
+    """A prefill in steps, for a scheduler that interleaves it with decode steps: :meth:`advance` computes
+    about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result."""
+
+    def __init__(self, engine: Any, job: Any) -> None:
+        self._engine, self._job = engine, job
+
+    @property
+    def n_prompt(self) -> int:
+        return int(self._job.n_prompt)
+
+    @property
+    def done(self) -> bool:
+        return bool(self._job.done)
+
+    def advance(self, budget: int | None = None) -> bool:
+        return bool(self._job.advance(budget))
+
+    def finish(self) -> Prefilled:
+        pre = self._job.finish()
+        return Prefilled(pre.result, self._engine, pre.to_store)
+
+
+def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None,
+                  store_prefix: bool | None = None, repair: str | None = None, recompute_ratio: float | None = None,
+                  select: str | None = None, check_layer: int | None = None) -> PrefillTask:
+    """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
+    :class:`kvboost_core.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
+    only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers."""
+    from kvboost_core.canonical import CanonicalJob
 
     spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
-    result, plan, cache = engine._prefill(prompt, spec, 0, add_special_tokens, time.perf_counter())
-    return Prefilled(result, engine, plan, cache, spec, store_prefix)
+    enabled = engine.config.store_prefix if store_prefix is None else store_prefix
+    return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=bool(enabled)))
+
+
+def prefill(engine: Any, prompt: Any, **kw: Any) -> Prefilled:
+    """:func:`start_prefill` run to the end at once."""
+    return start_prefill(engine, prompt, **kw).finish()
 
 
 class _BatchCache:
@@ -109,6 +178,8 @@ class BatchedDecoder:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._capacity = 0
+        heads = [adapter.model.get_output_embeddings()]
+        self._linears = [m for m in [*adapter.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
 
     # ------------------------------------------------------------------ membership
     @property
@@ -204,19 +275,22 @@ class BatchedDecoder:
         a = self.adapter
         n = len(self._slots)
         dev = a.device
-        self._ensure(max(s.length for s in self._slots) + 1)
+        longest = max(s.length for s in self._slots) + 1
+        length = -(-longest // ATTN_QUANTUM) * ATTN_QUANTUM  # rows past their own length see masked zeros
+        self._ensure(length)
         ids = torch.tensor([tokens[s] for s in self._slots], device=dev).view(n, 1)
         pos = torch.tensor([s.length for s in self._slots], device=dev)
-        length = int(pos.max()) + 1
         hidden = a.inner.embed_tokens(ids)  # (n, 1, hidden)
         cos_sin = a.inner.rotary_emb(hidden, position_ids=pos.view(n, 1))
         cache = _BatchCache(self._keys, self._values, torch.arange(n, device=dev), pos, length)
         masks = self._masks(pos, length)
-        for layer in range(a.num_layers):
-            out = a.inner.layers[layer](hidden, attention_mask=masks[a.windows[layer]], position_embeddings=cos_sin,
-                                        position_ids=pos.view(n, 1), cache=cache, use_cache=True)
-            hidden = out[0] if isinstance(out, tuple) else out
-        logits = a.logits(hidden)[:, -1].float()  # (n, vocab)
+        with row_tiled(self._linears):
+            for layer in range(a.num_layers):
+                out = a.inner.layers[layer](hidden, attention_mask=masks[a.windows[layer]],
+                                            position_embeddings=cos_sin, position_ids=pos.view(n, 1), cache=cache,
+                                            use_cache=True)
+                hidden = out[0] if isinstance(out, tuple) else out
+            logits = a.logits(hidden)[:, -1].float()  # (n, vocab)
         result = {}
         for i, s in enumerate(self._slots):
             s.length += 1

@@ -108,3 +108,43 @@ def test_factory_builds_three_tiers(redis_url: str, tmp_path: Path) -> None:  # 
     fresh = build_store([redis_url], max_bytes=1_000_000, fingerprint=FP, namespace="default")
     got = fresh.get(key(1))  # served by redis, promoted into the new memory tier
     assert got is not None and fresh.stats()["redis.served"] == 1 and fresh.tiers[0].contains(key(1))
+
+
+@pytest.mark.parametrize(("url", "masked"), [
+    ("redis://:s3cret-pw@10.0.0.5:6380/2", "redis://***@10.0.0.5:6380/2"),
+    ("rediss://alice:s3cret-pw@cache.example:6379/0?ttl=60", "rediss://***@cache.example:6379/0?ttl=60"),
+    ("redis://10.0.0.5:6379/0?password=s3cret-pw&db=1", "redis://10.0.0.5:6379/0?password=***&db=1"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+])
+def test_mask_url(url: str, masked: str) -> None:
+    from kvboost_core.store.redis_tier import mask_url, scrub, url_secrets
+
+    assert mask_url(url) == masked
+    assert "s3cret-pw" not in scrub(f"error talking to {url}", url_secrets(url))
+
+
+def test_credentials_never_reach_logs_or_warnings(redis_server: RedisServer, caplog) -> None:  # noqa: F811
+    """A password in the URL: the outage warning names the server as redis://***@host:port/db; neither the
+    warning, the log, nor the message of a bad URL carries the password (or the user name)."""
+    from _redis_fixture import free_port
+
+    secret = "s3cret-pw-9271"
+    port = free_port()  # nothing listens: every call fails
+    caplog.set_level("DEBUG", logger="kvboost")
+    s = RedisStore(f"redis://carol:{secret}@127.0.0.1:{port}/0", namespace="default", fingerprint=FP)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert s.get(key(1)) is None
+    texts = [str(w.message) for w in warned] + [r.getMessage() for r in caplog.records]
+    assert any(f"redis://***@127.0.0.1:{port}/0" in t for t in texts), texts
+    assert not any(secret in t or "carol" in t for t in texts), texts
+    # a real server refusing the credentials (redis-py's AuthenticationError text goes through the scrub too)
+    caplog.clear()
+    r = RedisStore(redis_server.url.replace("redis://", f"redis://carol:{secret}@"), namespace="default",
+                   fingerprint=FP)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert r.put(key(2), make_block(2)) is False
+    texts = [str(w.message) for w in warned] + [r.getMessage() for r in caplog.records]
+    assert texts and not any(secret in t for t in texts), texts
+    with pytest.raises(ValueError) as bad:
+        RedisStore(f"redis://carol:{secret}@127.0.0.1:notaport/0", namespace="default", fingerprint=FP)
+    assert secret not in str(bad.value) and "***@" in str(bad.value)

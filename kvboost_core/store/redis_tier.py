@@ -13,6 +13,10 @@ miss and is unlinked. Only a deployment secret (``secret=`` / ``KVBOOST_STORE_SE
 write to the server from forging entries another tenant will serve; without one this tier logs a warning.
 Namespaces and fingerprints come from a fixed character set and ``clear()`` matches an escaped literal prefix,
 so no tenant's name can act as a glob over another's keys.
+
+Credentials: a URL may carry them (``redis://user:secret@host:6379/0``, ``?password=``); every log line,
+warning and exception message names the server through :func:`mask_url` (``redis://***@host:6379/0``) and has
+the password scrubbed from the client's own error text, so a password never reaches a log.
 """
 
 from __future__ import annotations
@@ -58,6 +62,41 @@ def _import_redis() -> Any:
     except ImportError as e:  # an optional extra
         raise ImportError("the Redis tier needs redis-py: pip install kvboost-rag[redis]") from e
     return redis
+
+
+_SECRET_PARAMS = frozenset({"password", "username", "user", "pass"})
+
+
+def mask_url(url: str) -> str:
+    """``url`` without its credentials, for messages: ``redis://u:secret@h:6379/0?password=x`` ->
+    ``redis://***@h:6379/0?password=***``. Anything unparseable is not echoed at all."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+    except (ValueError, TypeError, AttributeError):
+        return "<redis url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    masked = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in query]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(masked, safe="*")))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials in ``url`` (password, username), to scrub from third-party error text."""
+    try:
+        parts = urlsplit(url)
+        found = [parts.password, parts.username]
+        found += [v for k, v in parse_qsl(parts.query) if k.lower() in _SECRET_PARAMS]
+    except (ValueError, TypeError, AttributeError):
+        return []
+    return sorted({s for s in found if s}, key=len, reverse=True)  # longest first: no partial leftovers
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 def split_ttl(url: str) -> tuple[str, float | None]:
@@ -106,9 +145,13 @@ class RedisStore:
             _warn_no_secret()
         redis = _import_redis()
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        self._client = client if client is not None else redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
-        self._url = url
+        self._secrets = url_secrets(url)
+        try:
+            self._client = client if client is not None else redis.Redis.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        except ValueError as exc:  # redis-py's URL parsing: its message must not carry the password either
+            raise ValueError(f"bad Redis URL {mask_url(url)}: {scrub(str(exc), self._secrets)}") from None
+        self._url = mask_url(url)  # the only form of the URL kept: for messages
         self._namespace = namespace
         self._fingerprint = fingerprint
         self._ttl_ms = int(ttl_s * 1000) if ttl_s is not None else None
@@ -133,7 +176,8 @@ class RedisStore:
             first = not self._warned
             self._warned = True
         if first:
-            msg = f"kvboost redis tier at {self._url} unavailable ({op}: {err!r}); serving misses until it is back"
+            msg = (f"kvboost redis tier at {self._url} unavailable ({op}: {scrub(repr(err), self._secrets)}); "
+                   "serving misses until it is back")
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 

@@ -28,6 +28,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("max_batch", "port"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "prefill_chunk", 0) < 0:
+        raise SystemExit("--prefill-chunk must be >= 0 (0: whole prompts)")
     if args.max_queue < 0 or args.request_timeout <= 0 or not 0 <= args.default_temperature <= 2:
         raise SystemExit("--max-queue must be >= 0, --request-timeout > 0, --default-temperature in [0, 2]")
     if not getattr(args, "ray", False):
@@ -59,6 +61,13 @@ def access(args: argparse.Namespace) -> tuple[dict[str, str] | None, str]:
     return keys, host
 
 
+def catalogue_bounds(args: argparse.Namespace) -> dict[str, int]:
+    """The document catalogue's bounds given on the command line (the catalogue's defaults otherwise)."""
+    bounds = {"max_entries": getattr(args, "catalogue_max_docs", None),
+              "max_bytes": getattr(args, "catalogue_max_bytes", None)}
+    return {k: v for k, v in bounds.items() if v is not None}
+
+
 def build(args: argparse.Namespace, *, replica: str | None = None,
           keys: dict[str, str] | None = None) -> tuple[Any, str]:
     """(the FastAPI app, the host to bind). ``replica`` names this process among several (Ray Serve), whose
@@ -78,11 +87,12 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
     aliases = (args.model, loaded.label, Path(args.model).name)
     state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
-                          step_delay=args.debug_step_delay, aliases=aliases)
+                          step_delay=args.debug_step_delay, aliases=aliases,
+                          prefill_chunk=getattr(args, "prefill_chunk", 0) or None)
     state.default_temperature = args.default_temperature
     if replica is not None:
         from kvboost_rag.app.server.catalogue import for_store
 
         state.replica = replica
-        state.catalogue = for_store(args.store, loaded.engine.fingerprint)
+        state.catalogue = for_store(args.store, loaded.engine.fingerprint, **catalogue_bounds(args))
     return create_app(state), host

@@ -9,6 +9,19 @@ from kvboost_rag.app.cli_util import positive_int
 from kvboost_rag.app.server.factory import LOOPBACK, build
 
 
+def parse_size(value: str) -> int:
+    """argparse type: a byte size (``64MiB``, ``1000000``) >= 1."""
+    from kvboost_core.config import parse_bytes
+
+    try:
+        n = parse_bytes(value)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {value!r}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="HF model path or id (default: the embedded demo model)")
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
@@ -20,11 +33,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (1 turns batching off)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                   help="chunked prefill: a long prompt's head is computed about this many tokens per scheduler "
+                        "iteration, between the running requests' decode steps (default 512; 0: whole prompts). "
+                        "Outputs do not depend on it")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature when a request gives none (OpenAI's default is 1.0; 0 is greedy)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
+    p.add_argument("--catalogue-max-docs", type=positive_int, default=None, metavar="N",
+                   help="with --ray and a redis:// --store: documents each namespace's shared catalogue announces "
+                        "to the other replicas, oldest evicted first (default 10000)")
+    p.add_argument("--catalogue-max-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="with --ray and a redis:// --store: bytes of document text per namespace in that "
+                        "catalogue, oldest evicted first (default 64MiB; e.g. 256MiB)")
     p.add_argument("--access-log", action="store_true", help="log one line per request (never bodies)")
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'kvboost-rag[ray]')")
     ray.add_argument("--ray", action="store_true",

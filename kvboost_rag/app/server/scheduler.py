@@ -1,8 +1,12 @@
 """Continuous batching at iteration level (Orca / vLLM style), on one engine thread.
 
 Each loop iteration: run queued tasks (document warming), drop cancelled requests, admit at most one waiting
-request (its prefill, with reuse, runs between two decode steps: that bounds the stall a long prompt causes the
-running requests to one prefill), then one batched decode step for every running request. A request leaves at
+request, advance the prefill in progress by one piece, then one batched decode step for every running request.
+Chunked prefill (``prefill_chunk`` tokens, ``--prefill-chunk``): a prompt's head (everything before its first
+re-placed document, e.g. all of a long cold prompt but its last chunk) is computed about ``prefill_chunk``
+tokens per iteration, and the rest in one more, so the running requests wait for one piece between two tokens,
+not for a whole prefill. Pieces are whole canonical chunks (kvboost_core.canonical), so splitting changes no
+bit of any output. ``prefill_chunk=None`` prefills a prompt in one iteration. A request leaves at
 EOS, at a stop string, at its token limit, or when its client goes away (``cancel``).
 
 All model work happens on this one thread, so the engines (one per namespace, sharing the model) are never
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core.batch import BatchedDecoder, BatchSlot, prefill
+from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
 from kvboost_core.decode import SamplingParams, TextStream, sample
 from kvboost_rag.app.server.protocol import APIError
 
@@ -70,9 +74,14 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
-                 step_delay: float = 0.0) -> None:
+                 step_delay: float = 0.0, prefill_chunk: int | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
         self.decoder = BatchedDecoder(adapter, max_batch)
         self.max_queue = max_queue
         self.metrics = metrics
@@ -134,25 +143,29 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stop or self._tasks or self._running or self._pending):
+                while not (self._stop or self._tasks or self._running or self._pending or self._prefilling):
                     self._cv.wait(timeout=1.0)
                 if self._stop:
                     break
                 task = self._tasks.popleft() if self._tasks else None
-                req = self._pending.popleft() if self._pending and self.decoder.free else None
+                free = self.decoder.free and self._prefilling is None
+                req = self._pending.popleft() if self._pending and free else None
             if task is not None:
                 self._run_task(*task)
             try:
                 self._drop_cancelled()
                 if req is not None:
                     self._admit(req)
+                if self._prefilling is not None:
+                    self._advance_prefill()
                 if self._running:
                     self._step()
             except Exception as exc:  # the loop must survive anything: fail the requests it holds, go on
                 log.error("scheduler iteration failed: %s; failing %d running requests", type(exc).__name__,
                           len(self._running))
                 self._fail_running()
-        for r in [*self._pending, *self._running.values()]:
+        held = [self._prefilling[0]] if self._prefilling is not None else []
+        for r in [*self._pending, *held, *self._running.values()]:
             r.emit("error", APIError(503, "the server is shutting down", type="server_error"))
 
     def _fail_running(self) -> None:
@@ -170,6 +183,8 @@ class Scheduler:
             fut.set_exception(exc)
 
     def _drop_cancelled(self) -> None:
+        if self._prefilling is not None and self._prefilling[0].cancelled:
+            self._prefilling = None
         for slot, r in list(self._running.items()):
             if r.cancelled:
                 self._leave(slot)
@@ -196,17 +211,42 @@ class Scheduler:
             if r.fill_context:
                 r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
             self._check_limits(r, n_prompt)
-            pre = prefill(r.rag.engine, plan.segments, add_special_tokens=False)
-        except APIError as exc:
-            r.emit("error", exc)
-            return
-        except ValueError as exc:  # the engine's own checks (context length, empty prompt) are the client's
-            r.emit("error", APIError(400, str(exc), param="messages"))
-            return
+            task = start_prefill(r.rag.engine, plan.segments, add_special_tokens=False)
+            if self.prefill_chunk is not None:
+                self._prefilling = (r, task)  # advanced piece by piece, between decode steps
+                return
+            pre = task.finish()
         except Exception as exc:
+            self._prefill_failed(r, exc)
+            return
+        self._join(r, pre)
+
+    def _advance_prefill(self) -> None:
+        assert self._prefilling is not None
+        r, task = self._prefilling
+        try:
+            if not task.done:
+                task.advance(self.prefill_chunk)  # one piece of the head; the rest in a later iteration
+                return
+            self._prefilling = None
+            pre = task.finish()
+        except Exception as exc:
+            self._prefilling = None
+            self._prefill_failed(r, exc)
+            return
+        self._join(r, pre)
+
+    def _prefill_failed(self, r: GenRequest, exc: Exception) -> None:
+        if isinstance(exc, APIError):
+            r.emit("error", exc)
+        elif isinstance(exc, ValueError):  # the engine's own checks (context length, empty prompt) are the client's
+            r.emit("error", APIError(400, str(exc), param="messages"))
+        else:
             log.error("prefill failed: %s", type(exc).__name__)  # never the prompt
             r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
-            return
+
+    def _join(self, r: GenRequest, pre: Prefilled) -> None:
+        """First token from the prefill's logits, then a row in the batch."""
         res = pre.result
         n = len(res.token_ids)
         if r.params.seed is not None:

@@ -1,0 +1,97 @@
+"""Decode stall under chunked prefill, in process through the server's scheduler (no HTTP): one request is
+decoding when a long cold prompt (about ``--long-tokens`` tokens, nothing of it cached) arrives; the figure is
+the largest gap between the running request's tokens while the long prompt is prefilled, against its median
+gap, for each ``--prefill-chunk`` (0: the whole prompt in one iteration, as before chunked prefill).
+
+    python benchmarks/serve_stall.py --chunks 0,512,128 --json benchmarks/results/serve_stall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "integrations"), str(ROOT / "benchmarks")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct when present, else the demo model")
+    p.add_argument("--chunks", default="0,512,128", help="--prefill-chunk values to compare (0: off)")
+    p.add_argument("--long-tokens", type=int, default=1500)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    from bench_serve import SMOLLM
+
+    from kvboost_core.decode import SamplingParams
+    from kvboost_core.engine import KVEngine
+    from kvboost_rag import KVBoostRAG
+    from kvboost_rag.app import demo_data as dd
+    from kvboost_rag.app.loading import load_engine
+    from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
+
+    torch.set_num_threads(args.threads)
+    model = args.model or (str(SMOLLM) if (SMOLLM / "config.json").exists() else "demo")
+    base = load_engine(model).engine
+    records = [d["text"] for d in dd.load_corpus()]
+    text, i = records[0].upper() + "\n", 1
+    while len(base.tokenize_ids(text)) < args.long_tokens:
+        text += records[i % len(records)].upper() + "\n"  # upper case: never a warmed or cached text
+        i += 1
+    results = []
+    for n, chunk in enumerate(int(c) for c in args.chunks.split(",")):
+        rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
+        sched = Scheduler(base.adapter, max_batch=4, prefill_chunk=chunk or None)
+        sched.start()
+        times: list[float] = []
+        long_start: list[float] = []
+
+        def running(kind: str, payload: Any, times: list[float] = times) -> None:
+            if kind == "text":
+                times.append(time.perf_counter())
+
+        def long_emit(kind: str, payload: Any, long_start: list[float] = long_start) -> None:
+            if kind in ("start", "error"):
+                long_start.append(time.perf_counter())
+
+        sched.submit(GenRequest(rag=rag, params=SamplingParams.create(400), emit=running, ignore_eos=True,
+                                prompt=f"Story {n}: once upon a time"))
+        while len(times) < 8:
+            time.sleep(0.005)
+        t_arrive = time.perf_counter()
+        long_prompt = text + f"\nQuestion {n}: which country?\nAnswer:"  # a new prompt each run: cold
+        sched.submit(GenRequest(rag=rag, params=SamplingParams.create(1), emit=long_emit, prompt=long_prompt))
+        while not long_start:
+            time.sleep(0.005)
+        t_first = long_start[0]
+        n_after = len(times)
+        while len(times) < n_after + 8:
+            time.sleep(0.005)
+        sched.shutdown()
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        during = [b - a for a, b in zip(times, times[1:]) if b > t_arrive and a < t_first]
+        row = {"prefill_chunk": chunk, "long_prompt_tokens": len(base.tokenize_ids(long_prompt)),
+               "long_ttft_s": t_first - t_arrive, "median_gap_s": statistics.median(gaps),
+               "max_gap_during_long_prefill_s": max(during) if during else None,
+               "tokens_during_long_prefill": sum(1 for t in times if t_arrive < t < t_first)}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    out = {"model": model, "threads": args.threads, "load_average": os.getloadavg(), "rows": results}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
