@@ -170,6 +170,10 @@ class BatchedDecoder:
         if not adapter.layerwise:
             raise ValueError("batched decode needs a layer-wise model adapter (a Llama-like RoPE family); this "
                              "model runs through HF's own forward (prefix-only reuse)")
+        if adapter.reader is not None:
+            # a step would run every row on the base weights while the engine gates reader rows: refuse
+            raise ValueError("batched decode does not run reader adapters (reader_adapter); serve this engine "
+                             "without one or generate through KVEngine.generate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.adapter = adapter

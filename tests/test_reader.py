@@ -164,3 +164,11 @@ def test_distillation_moves_reused_answers_toward_full_prefill(tmp_path):
 
     with_reader = served.prefill(prompt, repair="none", store_prefix=False).last_logits
     assert kl(with_reader) < 0.5 * kl(pre.last_logits)
+
+
+def test_batched_decode_refuses_a_reader(tmp_path):
+    from kvboost_core.batch import BatchedDecoder
+
+    eng, _ = _pair(tmp_path, 0.0)
+    with pytest.raises(ValueError, match="reader"):
+        BatchedDecoder(eng.adapter, 4)
