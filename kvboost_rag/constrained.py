@@ -158,3 +158,20 @@ def generate_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_n
                           logits_processor=constraint, **engine_kw)
     result.stats.update(constrained=True, mask_s=constraint.mask_s)
     return result
+
+
+def generate_tool_call(rag: Any, prompt: str, tools: list[dict[str, Any]], name: str | None = None,
+                       **kw: Any) -> tuple[GenerationResult, str]:
+    """A forced tool call (``tool_choice`` "any"/"required" or a tool's name): the prompt (a rendered chat
+    prompt ending with the assistant's generation prompt) gets ``<tool_call>\\n`` appended, and the reply is
+    constrained to ``{"name": <one of tools, or name>, "arguments": <that tool's parameter schema>}``.
+    Returns (the result, the reply as the model wrote it: ``<tool_call>\\n{json}``), which
+    :func:`kvboost_rag.toolcalls.parse_tool_call_blocks` parses into a valid call unless ``finish_reason`` is
+    "length" (the token budget cut the JSON)."""
+    from kvboost_rag.toolcalls import TOOL_CALL_START, tool_call_schema
+
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    schema = tool_call_schema(tools, name)
+    result = generate_json(rag, prompt + TOOL_CALL_START, schema, **kw)
+    return result, TOOL_CALL_START + result.text
