@@ -82,14 +82,14 @@ def with_tool_calls(response: ChatResponse) -> ChatResponse:
 
 def _visible(text: str) -> str:
     """The part of a growing reply that is surely text: before the first ``<tool_call>``, and never a tail
-    that may be the start of one."""
+    that may be the start of one, nor trailing whitespace (the parsed reply drops it before a call)."""
     i = text.find(_OPEN)
     if i >= 0:
-        return text[:i]
+        return text[:i].rstrip()
     for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
         if text.endswith(_OPEN[:k]):
-            return text[:-k]
-    return text
+            return text[:-k].rstrip()
+    return text.rstrip()
 
 
 def stream_with_tool_calls(pieces: Iterable[CompletionResponse]) -> Iterator[ChatResponse]:
