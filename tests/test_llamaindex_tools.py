@@ -206,3 +206,29 @@ def test_astream_chat_with_tools_and_forced_streaming():
     assert len(forced) == 1 and llm.get_tool_calls_from_response(forced[0])[0].tool_name == "set_mode"
     with pytest.raises(TypeError, match="bogus"):
         llm.stream_chat_with_tools([WEATHER], user_msg="x", bogus=1)
+
+
+def test_function_agent_streams_and_runs_the_tool():
+    """LlamaIndex's FunctionAgent drives astream_chat_with_tools: the call in the last streamed response is
+    executed and its result goes back through the template."""
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    llm = _llm(TOOL_TEMPLATE)
+    turns = [["Checking. ", '<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>'],
+             ["It is sunny ", "in Paris."]]
+    prompts: list[str] = []
+
+    def stream(prompt, **kw):
+        prompts.append(prompt)
+        yield from turns[len(prompts) - 1]
+
+    object.__setattr__(llm.rag, "stream", stream)
+    agent = FunctionAgent(tools=[WEATHER], llm=llm, streaming=True)
+
+    async def run():
+        return await agent.run(user_msg="Weather in Paris?")
+
+    result = asyncio.run(run())
+    assert result.response.content == "It is sunny in Paris." and len(prompts) == 2
+    assert "<tool_response>\nsunny in Paris\n</tool_response>" in prompts[1]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompts[1]

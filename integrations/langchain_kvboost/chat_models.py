@@ -115,8 +115,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         ``tool_choice``: "auto"/None (free generation: the model decides), "none" (tools not shown),
         "any"/"required"/True (a call of one of the tools) or a tool's name (a call of that tool). A forced call
         is constrained by grammar (llguidance) to ``{"name": ..., "arguments": <the tool's JSON schema>}``,
-        so it always parses unless the token budget runs out. Templates without a tools section get the
-        tools described in the system message (Hermes/Qwen wording)."""
+        so it always parses (the JSON is closed before the token budget runs out, if the budget allows a call at
+        all). Templates without a tools section get the tools described in the system message (Hermes/Qwen
+        wording)."""
         formatted = format_tools(tools)
         tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
@@ -126,8 +127,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         """Replies parsed into ``schema`` (a pydantic class, TypedDict, OpenAI function or JSON schema).
 
         ``json_schema`` (default) and ``json_mode`` enforce the JSON by constrained decoding (llguidance;
-        ``json_mode`` without a schema allows any JSON object), so the reply parses unless the token budget
-        runs out. ``function_calling`` goes through ``bind_tools`` and is not constrained."""
+        ``json_mode`` without a schema allows any JSON object), so the reply parses (the JSON is closed before
+        the token budget runs out, if it allows the schema's smallest value). ``function_calling`` goes through ``bind_tools`` with
+        ``tool_choice="any"``, which is grammar-constrained too."""
         if kwargs:
             raise TypeError(f"with_structured_output got unexpected keyword argument(s) {sorted(kwargs)}")
         if method not in METHODS:
