@@ -36,6 +36,7 @@ HF full prefill decoded with the same masks (tests/test_constrained_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -78,13 +79,47 @@ def closed_schema(schema: Any) -> Any:
     return out
 
 
+_TABLES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_CLOSERS = frozenset('"}]')
+
+
+def _token_table(tokenizer: Any, n_vocab: int) -> tuple[Any, Any, Any, Any]:
+    """(quote, closing, comma, length) over the vocabulary, cached per tokenizer: tokens made only of ``"``,
+    ``}`` and ``]`` (``quote``: those starting with ``"``); tokens starting with ``,``; each token's text
+    length."""
+    import torch
+
+    with _LOCK:
+        cached = _TABLES.get(tokenizer)
+        if cached is not None and cached[0] == n_vocab:
+            return cached[1]
+    texts = tokenizer.batch_decode([[i] for i in range(min(n_vocab, len(tokenizer)))])
+    texts += [""] * (n_vocab - len(texts))
+    closing = torch.tensor([bool(t) and set(t) <= _CLOSERS for t in texts])
+    table = (closing & torch.tensor([t.startswith('"') for t in texts]), closing,
+             torch.tensor([t.startswith(",") for t in texts]), torch.tensor([len(t) for t in texts]))
+    with _LOCK:
+        _TABLES[tokenizer] = (n_vocab, table)
+    return table
+
+
 class JsonConstraint:
     """The token mask of one JSON-schema-constrained generation, as a ``KVEngine`` logits processor:
     ``constraint(generated_ids, logits)`` feeds the ids the engine sampled since the last call to the
     grammar, then sets the logits of every token the grammar forbids next to -inf (in place). Once the JSON
-    value is complete it raises ``StopGeneration``. One instance serves one generation."""
+    value is complete it raises ``StopGeneration``. One instance serves one generation.
 
-    def __init__(self, tokenizer: Any, n_vocab: int, schema: dict[str, Any] | None) -> None:
+    With ``budget`` (the generation's max_new_tokens), the JSON is also closed in time: once the tokens left
+    come within ``CLOSE_MARGIN`` of the shortest way to finish the value from where it stands (closing the
+    open string, the remaining required keys, then the open brackets: found by running the grammar on a
+    copy), each next token is that way's next token. A model that loops inside a string still ends with valid
+    JSON, unless the budget is below what the schema needs at all."""
+
+    CLOSE_MARGIN = 8  # tokens of slack: one free token may open something (an optional key) that costs more
+    CLOSE_HORIZON = 64  # longest closing path looked for (a deeper one: no closing, as before)
+
+    def __init__(self, tokenizer: Any, n_vocab: int, schema: dict[str, Any] | None,
+                 budget: int | None = None) -> None:
         from kvboost_rag._lazy import require
 
         require("llguidance")
@@ -105,8 +140,15 @@ class JsonConstraint:
         self._n_vocab = n_vocab
         self._consumed = 0  # how many of the generated ids the matcher has seen
         self.mask_s = 0.0  # time spent in the grammar (masks and consuming tokens)
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int (max_new_tokens) or None, got {budget!r}")
+        self._budget = budget
+        self._table = _token_table(tokenizer, n_vocab) if budget is not None else None
+        self.closing_forced = 0  # tokens chosen by the closing path (budget running out)
 
     def __call__(self, generated_ids: list[int], logits: Any) -> Any:
+        import torch
+
         from kvboost_core.decode import StopGeneration
 
         t = time.perf_counter()
@@ -116,18 +158,57 @@ class JsonConstraint:
             self._consumed = len(generated_ids)
             if self.done:
                 raise StopGeneration
+            left = None if self._budget is None else self._budget - len(generated_ids)  # this one included
+            if left is not None and left <= self.CLOSE_HORIZON + self.CLOSE_MARGIN:
+                path = self.closing_path()
+                if path and left <= len(path) + self.CLOSE_MARGIN:
+                    self.closing_forced += 1
+                    keep = logits[..., path[0]].clone()
+                    logits.fill_(float("-inf"))
+                    logits[..., path[0]] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+                    return logits
             return self.mask_(logits)
         finally:
             self.mask_s += time.perf_counter() - t
 
-    def mask_(self, logits: Any) -> Any:
-        """Set the logits (..., V) of disallowed tokens to -inf (in place) and return them."""
+    def _allowed(self, matcher: Any) -> Any:
+        """(V,) bool: the tokens ``matcher`` allows next."""
         import torch
 
-        self._lt.fill_next_token_bitmask(self.matcher, self._bits, 0)
+        self._lt.fill_next_token_bitmask(matcher, self._bits, 0)
         words = self._bits[0].to(torch.int64) & 0xFFFFFFFF  # (ceil(V / 32),) unsigned 32-bit words
         shifts = torch.arange(32, dtype=torch.int64)
-        allowed = ((words.unsqueeze(1) >> shifts) & 1).flatten()[: self._n_vocab].bool().to(logits.device)
+        return ((words.unsqueeze(1) >> shifts) & 1).flatten()[: self._n_vocab].bool()
+
+    def closing_path(self) -> list[int] | None:
+        """The tokens that finish the JSON value soonest from here, by a greedy policy on a copy of the
+        grammar: a token of only closing characters (``"``, ``}``, ``]``; the longest, those starting with ``"``
+        first, since inside a string ``}`` is text) when allowed, else one starting with ``,`` (ending a number
+        before the next required key), else the longest allowed token (the forced text of a key). None when it takes more than ``CLOSE_HORIZON`` tokens."""
+        import torch
+
+        assert self._table is not None
+        quote, closing, comma, length = self._table
+        m = self.matcher.deep_copy()
+        path: list[int] = []
+        while not (m.is_accepting() or m.is_stopped()):
+            if len(path) >= self.CLOSE_HORIZON:
+                return None
+            allowed = self._allowed(m)
+            for tier in (allowed & quote, allowed & closing, allowed & comma, allowed):
+                if bool(tier.any()):
+                    token = int(torch.where(tier, length, -1).argmax())
+                    break
+            else:
+                return None
+            if not m.consume_token(token):
+                return None
+            path.append(token)
+        return path
+
+    def mask_(self, logits: Any) -> Any:
+        """Set the logits (..., V) of disallowed tokens to -inf (in place) and return them."""
+        allowed = self._allowed(self.matcher).to(logits.device)
         n = min(logits.shape[-1], allowed.shape[0])
         logits[..., :n].masked_fill_(~allowed[:n], float("-inf"))
         if logits.shape[-1] > n:  # padded logits past the tokenizer's vocabulary: never allowed
@@ -142,6 +223,17 @@ class JsonConstraint:
     def done(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    def complete(self, generated_ids: list[int]) -> bool:
+        """Whether ``generated_ids`` (the whole generation) form a complete value: the engine does not ask the
+        processor after the budget's last token, so that token is fed here."""
+        try:
+            for token in generated_ids[self._consumed:]:
+                self.consume(token)
+        except RuntimeError:
+            return False
+        self._consumed = len(generated_ids)
+        return bool(self.matcher.is_accepting() or self.matcher.is_stopped())
+
 
 def generate_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_new_tokens: int = 256,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -150,11 +242,33 @@ def generate_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_n
 
     It runs through ``rag.generate`` like a plain call (warmed documents in the prompt are reused; ``engine_kw``
     such as ``repair`` or ``add_special_tokens`` go to the engine), with a :class:`JsonConstraint` as the
-    engine's logits processor. ``stop`` strings are ignored: cutting the JSON short would break it. The
-    result's stats add ``constrained`` (True) and ``mask_s`` (time spent in the grammar)."""
+    engine's logits processor, which closes the JSON before ``max_new_tokens`` runs out (see
+    :class:`JsonConstraint`). ``stop`` strings are ignored: cutting the JSON short would break it. The
+    result's stats add ``constrained`` (True), ``mask_s`` (time spent in the grammar) and ``closing_forced``
+    (tokens chosen to close the JSON in time); ``finish_reason`` is "stop" whenever the JSON is complete."""
     del stop
-    constraint = JsonConstraint(rag.tokenizer, int(rag.engine.model.config.vocab_size), schema)
+    constraint = JsonConstraint(rag.tokenizer, int(rag.engine.model.config.vocab_size), schema,
+                                budget=max_new_tokens)
     result = rag.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                           logits_processor=constraint, **engine_kw)
-    result.stats.update(constrained=True, mask_s=constraint.mask_s)
+    result.stats.update(constrained=True, mask_s=constraint.mask_s, closing_forced=constraint.closing_forced)
+    if result.finish_reason == "length" and constraint.complete(list(result.token_ids)):
+        result = dataclasses.replace(result, finish_reason="stop")  # the last token finished the JSON
     return result
+
+
+def generate_tool_call(rag: Any, prompt: str, tools: list[dict[str, Any]], name: str | None = None,
+                       **kw: Any) -> tuple[GenerationResult, str]:
+    """A forced tool call (``tool_choice`` "any"/"required" or a tool's name): the prompt (a rendered chat
+    prompt ending with the assistant's generation prompt) gets ``<tool_call>\\n`` appended, and the reply is
+    constrained to ``{"name": <one of tools, or name>, "arguments": <that tool's parameter schema>}``.
+    Returns (the result, the reply as the model wrote it: ``<tool_call>\\n{json}``), which
+    :func:`kvboost_rag.toolcalls.parse_tool_call_blocks` parses into a valid call unless ``finish_reason`` is
+    "length" (the token budget cut the JSON)."""
+    from kvboost_rag.toolcalls import TOOL_CALL_START, tool_call_schema
+
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    schema = tool_call_schema(tools, name)
+    result = generate_json(rag, prompt + TOOL_CALL_START, schema, **kw)
+    return result, TOOL_CALL_START + result.text

@@ -52,20 +52,22 @@ def _prompt(i: int) -> str:
 @torch.inference_mode()
 def _hf_constrained(ids: list[int], schema: dict, max_new_tokens: int) -> list[int]:
     """The reference: a plain HF full prefill of ``ids``, then HF-cache decoding, greedy, each step's logits
-    masked by a fresh JsonConstraint (the pre-engine implementation)."""
+    masked by a fresh JsonConstraint called as the engine calls its logits processor (budget-aware)."""
+    from kvboost_core.decode import StopGeneration
+
     model, tok = _model()
-    constraint = JsonConstraint(tok, int(model.config.vocab_size), schema)
+    constraint = JsonConstraint(tok, int(model.config.vocab_size), schema, budget=max_new_tokens)
     eos = {tok.eos_token_id}
     out = model(input_ids=torch.tensor([ids]), use_cache=True)
     cache, logits = output_cache(out), out.logits[0, -1].float()
     generated: list[int] = []
     for _ in range(max_new_tokens):
-        token = int(torch.argmax(constraint.mask_(logits)))
+        try:
+            token = int(torch.argmax(constraint(generated, logits)))
+        except StopGeneration:
+            break
         generated.append(token)  # the engine keeps the EOS it stopped on; so does this reference
         if token in eos:
-            break
-        constraint.consume(token)
-        if constraint.done:
             break
         out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
         cache, logits = output_cache(out), out.logits[0, -1].float()

@@ -5,6 +5,7 @@ random tiny model writes no tool calls)."""
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import pytest
 
@@ -13,7 +14,7 @@ pytest.importorskip("langchain_core")
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_kvboost import ChatKVBoost  # noqa: E402
-from langchain_kvboost.tools import parse_tool_calls  # noqa: E402
+from langchain_kvboost.tools import ToolPlan, format_tools, parse_tool_calls, tool_plan  # noqa: E402
 
 from kvboost_core.engine import KVEngine  # noqa: E402
 from kvboost_core.results import GenerationResult  # noqa: E402
@@ -77,15 +78,73 @@ def test_tool_call_round_trip(chat):
     assert "<tool_response>\nsunny in Paris\n</tool_response>" in prompts[1]
 
 
-def test_forced_tool_choice_starts_the_call_in_the_prompt(chat):
-    prompts = _script(chat, ['{"city": "Oslo"}}\n</tool_call>', '{"name": "get_weather", "arguments": {}}'])
-    ai = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("weather in Oslo?")
-    assert prompts[0].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
-    assert ai.tool_calls[0]["args"] == {"city": "Oslo"}
-    ai = chat.bind_tools([get_weather], tool_choice="any").invoke("weather?")
-    assert prompts[1].endswith("<|im_start|>assistant\n<tool_call>\n") and ai.tool_calls[0]["name"] == "get_weather"
-    with pytest.raises(ValueError, match="names no bound tool"):
-        chat.bind_tools([get_weather], tool_choice="nope")
+@tool
+def set_mode(mode: Literal["eco", "fast", "off"], loud: bool) -> str:
+    """Set the device mode."""
+    return mode
+
+
+def _spy(chat) -> list[dict]:
+    """Record each chat.rag.generate call's prompt and options, and run it."""
+    calls: list[dict] = []
+    real = chat.rag.generate
+
+    def generate(prompt, **kw):
+        calls.append({"prompt": prompt, **kw})
+        return real(prompt, **kw)
+
+    object.__setattr__(chat.rag, "generate", generate)
+    return calls
+
+
+@pytest.mark.parametrize("choice", ["any", "set_mode"])
+def test_forced_tool_choice_is_constrained_to_a_valid_call(chat, choice):
+    # A random-weight model: without the grammar it never writes a call (checked below), with it always does.
+    calls = _spy(chat)
+    bound = chat.bind_tools([get_weather, set_mode], tool_choice=choice, max_tokens=96, temperature=1.0)
+    for seed in range(2):
+        ai = bound.invoke("set the mode", seed=seed)
+        assert calls[-1]["prompt"].endswith("<|im_start|>assistant\n<tool_call>\n")
+        assert calls[-1]["logits_processor"] is not None and not ai.invalid_tool_calls
+        assert len(ai.tool_calls) == 1 and ai.content == ""
+        call = ai.tool_calls[0]
+        if choice not in ("any", "required", True):
+            assert call["name"] == "set_mode"
+        if call["name"] == "set_mode":
+            assert call["args"]["mode"] in ("eco", "fast", "off") and isinstance(call["args"]["loud"], bool)
+        else:
+            assert list(call["args"]) == ["city"] and isinstance(call["args"]["city"], str)
+    chunks = list(bound.stream("set the mode", seed=0))
+    assert len(chunks) == 1 and chunks[0].tool_calls[0]["name"] == ai.tool_calls[0]["name"]
+    free = chat.bind_tools([get_weather, set_mode], max_tokens=24).invoke("set the mode")
+    assert not free.tool_calls and "logits_processor" not in calls[-1]  # auto: free generation
+
+
+def test_tool_choice_spellings():
+    tools = format_tools([get_weather, set_mode])
+    assert [tool_plan(tools, c) for c in (None, "auto")] == [ToolPlan(tools, forced=False)] * 2
+    assert [tool_plan(tools, c) for c in ("any", "required", True)] == [ToolPlan(tools, forced=True)] * 3
+    named = ToolPlan(tools, forced=True, name="set_mode")
+    assert tool_plan(tools, "set_mode") == tool_plan(tools, {"type": "function", "function": {"name": "set_mode"}}) \
+        == named
+    assert tool_plan(tools, "none") is None and tool_plan(None, "any") is None and tool_plan(tools, False) is None
+
+
+def test_tool_choice_none_and_bad_names(chat):
+    calls = _spy(chat)
+    chat.bind_tools([get_weather], tool_choice="none").invoke("hi")
+    assert "<tools>" not in calls[-1]["prompt"] and "logits_processor" not in calls[-1]
+    for bad in ("nope", {"type": "function", "function": {"name": "nope"}}):
+        with pytest.raises(ValueError, match="names no bound tool"):
+            chat.bind_tools([get_weather], tool_choice=bad)
+
+
+def test_template_without_tools_gets_them_in_the_system_message():
+    model, tok = tiny_model_and_tokenizer()  # its template renders role and content only
+    plain = ChatKVBoost(engine=KVEngine(model, tok), max_tokens=4)
+    calls = _spy(plain)
+    plain.bind_tools([get_weather]).invoke([("system", "Be brief."), ("human", "weather?")])
+    assert calls[-1]["prompt"].startswith('<|system|>\nBe brief.\n\n# Tools\n') and "get_weather" in calls[-1]["prompt"]
 
 
 def test_streaming_with_tools_gives_tool_call_chunks(chat):

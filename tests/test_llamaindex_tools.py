@@ -4,7 +4,9 @@ template (scripted replies: a random tiny model writes no tool calls)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from typing import Literal
 
 import pytest
 
@@ -64,9 +66,16 @@ def _script(llm: KVBoostLLM, replies: list[str]) -> list[str]:
 def test_is_function_calling_model_follows_the_template():
     assert _llm(TOOL_TEMPLATE).metadata.is_function_calling_model is True
     plain = _llm("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    assert plain.metadata.is_function_calling_model is False
+    assert plain.metadata.is_function_calling_model is False  # the model was not taught tools by its template
+    prompts = _script(plain, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'])
+    resp = plain.chat_with_tools([WEATHER], user_msg="weather?")  # tools described in the system message
+    assert prompts[0].startswith("system: # Tools\n") and '"name": "get_weather"' in prompts[0]
+    assert plain.get_tool_calls_from_response(resp)[0].tool_kwargs == {"city": "Oslo"}
+    model, tok = tiny_model_and_tokenizer()
+    custom = KVBoostLLM(engine=KVEngine(model, tok), messages_to_prompt=lambda ms: "\n".join(str(m) for m in ms))
+    assert custom.metadata.is_function_calling_model is False
     with pytest.raises(ValueError, match="template"):
-        plain.chat_with_tools([WEATHER], user_msg="weather?")
+        custom.chat_with_tools([WEATHER], user_msg="weather?")
 
 
 def test_chat_with_tools_round_trip():
@@ -107,3 +116,119 @@ def test_parser_rejects_non_text():
     with pytest.raises(TypeError, match="text"):
         parse_tool_call_blocks(None)  # type: ignore[arg-type]
     assert parse_tool_call_blocks("no calls") == ("no calls", [])
+
+
+def set_mode(mode: Literal["eco", "fast", "off"], loud: bool) -> str:
+    """Set the device mode."""
+    return mode
+
+
+# real annotation objects: this module's `from __future__ import annotations` leaves strings LlamaIndex can't resolve
+set_mode.__annotations__ = {"mode": Literal["eco", "fast", "off"], "loud": bool, "return": str}
+MODE = FunctionTool.from_defaults(fn=set_mode)
+
+
+def _spy(llm: KVBoostLLM) -> list[dict]:
+    """Record each llm.rag.generate call's prompt and options, and run it."""
+    calls: list[dict] = []
+    real = llm.rag.generate
+
+    def generate(prompt, **kw):
+        calls.append({"prompt": prompt, **kw})
+        return real(prompt, **kw)
+
+    object.__setattr__(llm.rag, "generate", generate)
+    return calls
+
+
+@pytest.mark.parametrize("how", [{"tool_required": True}, {"tool_choice": "set_mode"}])
+def test_tool_required_is_constrained_to_a_valid_call(how):
+    # A random-weight model writes no call freely; tool_required/tool_choice make every reply a valid call.
+    llm = _llm(TOOL_TEMPLATE)
+    calls = _spy(llm)
+    for seed in range(2):
+        resp = llm.chat_with_tools([WEATHER, MODE], user_msg="set the mode", max_new_tokens=96, temperature=1.0,
+                                   seed=seed, **how)
+        assert calls[-1]["prompt"].endswith("<|im_start|>assistant\n<tool_call>\n")
+        assert calls[-1]["logits_processor"] is not None
+        sel = llm.get_tool_calls_from_response(resp)
+        assert len(sel) == 1 and not resp.message.additional_kwargs["invalid_tool_calls"]
+        if "tool_choice" in how:
+            assert sel[0].tool_name == "set_mode"
+        if sel[0].tool_name == "set_mode":
+            assert sel[0].tool_kwargs["mode"] in ("eco", "fast", "off") and isinstance(sel[0].tool_kwargs["loud"], bool)
+        else:
+            assert list(sel[0].tool_kwargs) == ["city"]
+    free = llm.chat_with_tools([WEATHER, MODE], user_msg="set the mode", max_new_tokens=16)
+    assert "logits_processor" not in calls[-1] and llm.get_tool_calls_from_response(free, False) == []
+    with pytest.raises(ValueError, match="names none of the tools"):
+        llm.chat_with_tools([WEATHER], user_msg="x", tool_choice="nope")
+
+
+def _script_stream(llm: KVBoostLLM, pieces: list[str]) -> None:
+    def stream(prompt, **kw):
+        yield from pieces
+
+    object.__setattr__(llm.rag, "stream", stream)
+
+
+def test_stream_chat_with_tools_streams_text_and_ends_with_the_calls():
+    llm = _llm(TOOL_TEMPLATE)
+    _script_stream(llm, ["Let me ", "check.", " <tool", '_call>\n{"name": "get_weather", ', '"arguments": ',
+                         '{"city": "Rome"}}\n</tool_call>'])
+    out = list(llm.stream_chat_with_tools([WEATHER], user_msg="Weather in Rome?"))
+    assert "".join(r.delta for r in out) == "Let me check."  # the call block is not streamed as text
+    assert all("<" not in r.message.content for r in out)
+    calls = llm.get_tool_calls_from_response(out[-1])
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert out[-1].message.content == "Let me check." and not llm.get_tool_calls_from_response(out[0], False)
+    _script_stream(llm, ["It is ", "sunny ", "<b>."])
+    out = list(llm.stream_chat_with_tools([WEATHER], user_msg="Weather?"))
+    assert "".join(r.delta for r in out) == "It is sunny <b>." and out[-1].message.content == "It is sunny <b>."
+    assert llm.get_tool_calls_from_response(out[-1], error_on_no_tool_call=False) == []
+    _script_stream(llm, [])
+    out = list(llm.stream_chat_with_tools([WEATHER], user_msg="Weather?"))
+    assert len(out) == 1 and out[0].message.content == ""  # an empty reply still ends the stream
+
+
+def test_astream_chat_with_tools_and_forced_streaming():
+    llm = _llm(TOOL_TEMPLATE)
+    _script_stream(llm, ["Sure. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'])
+
+    async def collect(gen_coro):
+        return [r async for r in await gen_coro]
+
+    out = asyncio.run(collect(llm.astream_chat_with_tools([WEATHER], user_msg="Weather in Oslo?")))
+    assert out[-1].message.content == "Sure." and llm.get_tool_calls_from_response(out[-1])[0].tool_kwargs == \
+        {"city": "Oslo"}
+    forced = list(llm.stream_chat_with_tools([WEATHER, MODE], user_msg="mode?", tool_choice="set_mode",
+                                             max_new_tokens=96))
+    assert len(forced) == 1 and llm.get_tool_calls_from_response(forced[0])[0].tool_name == "set_mode"
+    with pytest.raises(TypeError, match="bogus"):
+        llm.stream_chat_with_tools([WEATHER], user_msg="x", bogus=1)
+
+
+def test_function_agent_streams_and_runs_the_tool():
+    """LlamaIndex's FunctionAgent drives astream_chat_with_tools: the call in the last streamed response is
+    executed and its result goes back through the template."""
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    llm = _llm(TOOL_TEMPLATE)
+    turns = [["Checking. ", '<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>'],
+             ["It is sunny ", "in Paris."]]
+    prompts: list[str] = []
+
+    def stream(prompt, **kw):
+        prompts.append(prompt)
+        yield from turns[len(prompts) - 1]
+
+    object.__setattr__(llm.rag, "stream", stream)
+    agent = FunctionAgent(tools=[WEATHER], llm=llm, streaming=True)
+
+    async def run():
+        return await agent.run(user_msg="Weather in Paris?")
+
+    result = asyncio.run(run())
+    assert result.response.content == "It is sunny in Paris." and len(prompts) == 2
+    assert "<tool_response>\nsunny in Paris\n</tool_response>" in prompts[1]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompts[1]

@@ -33,10 +33,18 @@ from langchain_core.runnables.config import run_in_executor
 from pydantic import Field
 
 from kvboost_core.results import GenerationResult
+from kvboost_rag.toolcalls import chat_inputs
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 from langchain_kvboost.llms import _info
 from langchain_kvboost.structured import METHODS, response_format, structured_runnable
-from langchain_kvboost.tools import format_tools, message_dict, parse_tool_calls, tool_choice_names
+from langchain_kvboost.tools import (
+    ToolPlan,
+    format_tools,
+    message_dict,
+    parse_tool_calls,
+    tool_choice_names,
+    tool_plan,
+)
 
 _ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system",
                            ToolMessage: "tool"}
@@ -104,8 +112,12 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                    **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (BaseTool, pydantic models, functions or OpenAI schemas). They are rendered by the chat
         template (``tools=``); ``<tool_call>{json}</tool_call>`` replies become ``AIMessage.tool_calls``.
-        ``tool_choice``: "auto"/None, "none", "any"/"required" (the reply is started as a tool call), or a
-        tool's name (started as a call of that tool)."""
+        ``tool_choice``: "auto"/None (free generation: the model decides), "none" (tools not shown),
+        "any"/"required"/True (a call of one of the tools) or a tool's name (a call of that tool). A forced call
+        is constrained by grammar (llguidance) to ``{"name": ..., "arguments": <the tool's JSON schema>}``,
+        so it always parses (the JSON is closed before the token budget runs out, if the budget allows a call at
+        all). Templates without a tools section get the tools described in the system message (Hermes/Qwen
+        wording)."""
         formatted = format_tools(tools)
         tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
@@ -115,8 +127,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         """Replies parsed into ``schema`` (a pydantic class, TypedDict, OpenAI function or JSON schema).
 
         ``json_schema`` (default) and ``json_mode`` enforce the JSON by constrained decoding (llguidance;
-        ``json_mode`` without a schema allows any JSON object), so the reply parses unless the token budget
-        runs out. ``function_calling`` goes through ``bind_tools`` and is not constrained."""
+        ``json_mode`` without a schema allows any JSON object), so the reply parses (the JSON is closed before
+        the token budget runs out, if it allows the schema's smallest value). ``function_calling`` goes through ``bind_tools`` with
+        ``tool_choice="any"``, which is grammar-constrained too."""
         if kwargs:
             raise TypeError(f"with_structured_output got unexpected keyword argument(s) {sorted(kwargs)}")
         if method not in METHODS:
@@ -141,30 +154,35 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     # ------------------------------------------------------------------ calls
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], str | None]:
-        """(prompt, engine options, the forced start of the reply when tool_choice forces a call)."""
+                 kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], ToolPlan | None]:
+        """(prompt, engine options, how tool calls are made: None without tools)."""
         kwargs = dict(kwargs)
         kwargs.pop("response_format", None)  # read by the callers (_generate/_stream)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         if tools is not None:
             tools = [t if isinstance(t, dict) and "function" in t else format_tools([t])[0] for t in tools]
-        prompt = self.rag.chat_prompt(to_chat_dicts(messages), tools if tool_choice != "none" else None)
+        plan = tool_plan(tools, tool_choice)
+        prompt = self.rag.chat_prompt(*chat_inputs(self.rag.tokenizer, to_chat_dicts(messages),
+                                                   tools if tool_choice != "none" else None))
         opts = self._call_options(stop, kwargs)
         opts["add_special_tokens"] = self.rag.chat_add_special_tokens(prompt)
-        start = None
-        if tools and tool_choice not in (None, "auto", "none"):
-            # No grammar: a forced call is started in the prompt itself and the model continues it.
-            name = tool_choice_names(tool_choice, tools)
-            start = "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
-            prompt += start
-        return prompt, opts, ((start or "") if tools else None)
+        return prompt, opts, plan
 
-    def _message(self, text: str, tool_start: str | None, result: GenerationResult | None,
+    def _tool_reply(self, prompt: str, opts: dict[str, Any], plan: ToolPlan) -> tuple[GenerationResult, str]:
+        """The reply to a prompt with tools: constrained to a valid call when one is forced, else free."""
+        if plan.forced:
+            from kvboost_rag.constrained import generate_tool_call
+
+            return generate_tool_call(self.rag, prompt, plan.tools, plan.name, **opts)
+        result = self.rag.generate(prompt, **opts)
+        return result, result.text
+
+    def _message(self, text: str, tools: bool, result: GenerationResult | None,
                  stats: dict[str, Any]) -> AIMessage:
-        if tool_start is None:
+        if not tools:
             return AIMessage(content=text, usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
-        content, calls, invalid = parse_tool_calls(tool_start + text)
+        content, calls, invalid = parse_tool_calls(text)
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                          usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
 
@@ -180,13 +198,17 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        prompt, opts, plan = self._prepare(messages, stop, kwargs)
         if kwargs.get("response_format"):
             return ChatResult(generations=[ChatGeneration(message=self._structured(prompt, opts,
                                                                                    kwargs["response_format"]))])
-        result = self.rag.generate(prompt, **opts)
+        if plan is not None:
+            result, text = self._tool_reply(prompt, opts, plan)
+        else:
+            result = self.rag.generate(prompt, **opts)
+            text = result.text
         # The call's own result and stats (not last_stats): several calls may run at once (abatch).
-        message = self._message(result.text, tool_start, result, result.stats)
+        message = self._message(text, plan is not None, result, result.stats)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.model_name})
 
@@ -195,8 +217,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         return await run_in_executor(None, self._generate, messages, stop,
                                      run_manager.get_sync() if run_manager else None, **kwargs)
 
-    def _tool_chunk(self, result: GenerationResult, tool_start: str) -> ChatGenerationChunk:
-        msg = self._message(result.text, tool_start, result, result.stats)
+    def _tool_chunk(self, reply: tuple[GenerationResult, str]) -> ChatGenerationChunk:
+        result, text = reply
+        msg = self._message(text, True, result, result.stats)
         chunks = [{"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
                    "type": "tool_call_chunk"} for i, c in enumerate(msg.tool_calls)]
         return ChatGenerationChunk(message=AIMessageChunk(
@@ -212,15 +235,15 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        prompt, opts, plan = self._prepare(messages, stop, kwargs)
         if kwargs.get("response_format"):  # constrained JSON: one chunk
             msg = self._structured(prompt, opts, kwargs["response_format"])
             yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
                                                              response_metadata=msg.response_metadata,
                                                              chunk_position="last"))
             return
-        if tool_start is not None:  # tool calls are parsed from the whole reply: one chunk
-            yield self._tool_chunk(self.rag.generate(prompt, **opts), tool_start)
+        if plan is not None:  # tool calls are parsed from the whole reply: one chunk
+            yield self._tool_chunk(self._tool_reply(prompt, opts, plan))
             return
         done: dict[str, Any] = {}
         for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
@@ -233,16 +256,15 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        prompt, opts, tool_start = self._prepare(messages, stop, kwargs)
+        prompt, opts, plan = self._prepare(messages, stop, kwargs)
         if kwargs.get("response_format"):
             msg = await run_in_executor(None, self._structured, prompt, opts, kwargs["response_format"])
             yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
                                                              response_metadata=msg.response_metadata,
                                                              chunk_position="last"))
             return
-        if tool_start is not None:
-            result = await run_in_executor(None, self.rag.generate, prompt, **opts)
-            yield self._tool_chunk(result, tool_start)
+        if plan is not None:
+            yield self._tool_chunk(await run_in_executor(None, self._tool_reply, prompt, opts, plan))
             return
         done: dict[str, Any] = {}
         async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):

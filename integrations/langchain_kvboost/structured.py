@@ -7,13 +7,15 @@ from typing import Any
 
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
-from pydantic import BaseModel
 
 METHODS = ("json_schema", "json_mode", "function_calling")
 
 
 def _is_pydantic(schema: Any) -> bool:
-    return isinstance(schema, type) and issubclass(schema, BaseModel)
+    """A pydantic class, v2 or v1 (``pydantic.v1.BaseModel``; PydanticOutputParser builds either)."""
+    from langchain_core.utils.pydantic import is_basemodel_subclass
+
+    return isinstance(schema, type) and is_basemodel_subclass(schema)
 
 
 def json_schema_of(schema: Any) -> dict[str, Any]:

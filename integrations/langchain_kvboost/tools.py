@@ -5,13 +5,17 @@ tool schemas are rendered by the chat template (``apply_chat_template(..., tools
 answers ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A ``ToolMessage`` goes back as a
 ``{"role": "tool"}`` message, an earlier call as the assistant message's ``tool_calls``.
 
-Nothing here constrains decoding: a model that writes malformed JSON gets ``invalid_tool_calls``.
+With ``tool_choice="auto"`` the model decides and writes freely: malformed JSON becomes
+``invalid_tool_calls``. A forced choice ("any"/"required"/True or a tool's name) is decoded under a grammar
+(:func:`kvboost_rag.constrained.generate_tool_call`), so the call parses. A template without a tools section
+gets the tools in the system message (:func:`kvboost_rag.toolcalls.messages_with_tools`).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
@@ -57,7 +61,7 @@ def format_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
 
 def tool_choice_names(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
     """Validate ``tool_choice`` against the bound tools; the name of a forced tool, if one is forced."""
-    if tool_choice in (None, "auto", "none", "any", "required", True):
+    if tool_choice is None or isinstance(tool_choice, bool) or tool_choice in ("auto", "none", "any", "required"):
         return None
     name = tool_choice
     if isinstance(tool_choice, dict):
@@ -66,3 +70,23 @@ def tool_choice_names(tool_choice: Any, tools: list[dict[str, Any]]) -> str | No
     if name not in names:
         raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
     return str(name)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a call with bound tools is made: ``forced`` (constrained to a call of ``name``, or of any of
+    ``tools`` when ``name`` is None) or free generation, the reply parsed either way."""
+
+    tools: list[dict[str, Any]]
+    forced: bool
+    name: str | None = None
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
+    """None without tools (or with ``tool_choice="none"``/False); else the plan ``tool_choice`` calls for."""
+    if not tools or tool_choice in ("none", False):
+        return None
+    name = tool_choice_names(tool_choice, tools)
+    forced = name is not None or tool_choice is True or tool_choice in ("any", "required")
+    return ToolPlan(tools=tools, forced=forced, name=name)
+

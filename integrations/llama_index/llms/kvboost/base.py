@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvboost_rag.aio import aiter_in_thread, run_blocking
 from kvboost_rag.options import CALL_KEYS, check_call_kwargs, pipeline_options, split_model_kwargs
+from kvboost_rag.toolcalls import chat_inputs, template_renders_tools
 
 _HINT = "pip install 'kvboost-rag[llamaindex]'"
 
@@ -32,7 +33,13 @@ try:
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.llms.function_calling import FunctionCallingLLM
     from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
-    from llama_index.llms.kvboost._tools import tool_chat_dicts, with_tool_calls
+    from llama_index.llms.kvboost._tools import (
+        ToolRequest,
+        stream_with_tool_calls,
+        tool_chat_dicts,
+        tool_request,
+        with_tool_calls,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without llama-index installed
     raise ImportError(f"llama_index.llms.kvboost needs llama-index-core: {_HINT}") from exc
 
@@ -200,8 +207,7 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
                            is_chat_model=self.is_chat_model, is_function_calling_model=self._template_has_tools())
 
     def _template_has_tools(self) -> bool:
-        template = getattr(self._rag.tokenizer, "chat_template", None) if self._template_chat else None
-        return isinstance(template, str) and "tools" in template
+        return self._template_chat and template_renders_tools(self._rag.tokenizer)
 
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -229,12 +235,14 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
         prompt = self.completion_to_prompt(prompt) if self.completion_to_prompt else prompt
         return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
 
+    def _raw(self, result: Any) -> dict[str, Any]:
+        return {"finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "total_s": result.total_s,
+                "reuse_ratio": result.reuse_ratio, "token_ids": list(result.token_ids),
+                "prompt_tokens": len(result.prompt_token_ids), "stats": dict(result.stats or {})}
+
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
         result = self._rag.generate(self._full_prompt(prompt, formatted), **self._call_kwargs(kwargs))
-        raw = {"finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "total_s": result.total_s,
-               "reuse_ratio": result.reuse_ratio, "token_ids": list(result.token_ids),
-               "prompt_tokens": len(result.prompt_token_ids), "stats": self.last_stats}
-        return CompletionResponse(text=result.text, raw=raw)
+        return CompletionResponse(text=result.text, raw=self._raw(result))
 
     def _stream(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         full = self._full_prompt(prompt, formatted)
@@ -280,25 +288,9 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
     # -- structured output: JSON enforced by constrained decoding ----------------------------------------------
     def _structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None,
                             prompt_args: dict[str, Any]) -> Any:
-        from pydantic import BaseModel
+        from llama_index.llms.kvboost._structured import structured_predict
 
-        from kvboost_rag.constrained import generate_json
-
-        if not (isinstance(output_cls, type) and issubclass(output_cls, BaseModel)):
-            raise TypeError(f"output_cls must be a pydantic model class, got {output_cls!r}")
-        call_kw = self._call_kwargs(dict(llm_kwargs or {}))
-        call_kw.pop("stop", None)  # a stop string would cut the JSON short
-        if self._template_chat:
-            text = self._chat_prompt(prompt.format_messages(llm=self, **prompt_args))
-            call_kw = self._chat_kwargs(text, call_kw)
-        else:
-            text = self._full_prompt(prompt.format(llm=self, **prompt_args), False)
-        # through the engine like a plain call: warmed documents in the prompt are reused
-        res = generate_json(self._rag, text, output_cls.model_json_schema(), **call_kw)
-        if res.finish_reason == "length":
-            raise ValueError(f"structured_predict: the reply reached max_new_tokens={call_kw['max_new_tokens']} "
-                             "before its JSON was complete; raise max_new_tokens")
-        return output_cls.model_validate_json(res.text)
+        return structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
 
     def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
                            **prompt_args: Any) -> Any:
@@ -310,13 +302,13 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
                                   **prompt_args: Any) -> Any:
         return await run_blocking(self._structured_predict, output_cls, prompt, llm_kwargs, prompt_args)
 
-    # -- chat: through the tokenizer's chat template ----------------------------------------------------------
+    # -- chat: through the tokenizer's chat template (tools: see _tools) ---------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
         if not self._template_chat:
             if tools:
                 raise ValueError("tools need the tokenizer's chat template; this KVBoostLLM has messages_to_prompt")
             return self.messages_to_prompt(messages)
-        return self._rag.chat_prompt(tool_chat_dicts(messages), tools)
+        return self._rag.chat_prompt(*chat_inputs(self._rag.tokenizer, tool_chat_dicts(messages), tools))
 
     def _chat_kwargs(self, prompt: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         # A template that writes BOS itself must not get a second one (as apply_chat_template(tokenize=True)).
@@ -324,62 +316,84 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
             return {**kwargs, "add_special_tokens": self._rag.chat_add_special_tokens(prompt)}
         return kwargs
 
-    @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+                   ) -> tuple[str, dict[str, Any], ToolRequest | None]:
+        """(prompt, per-call options, the tools and whether a call is forced) of one chat call."""
+        kwargs = dict(kwargs)
+        req = tool_request(kwargs.pop("tools", None), kwargs.pop("tool_choice", None))
+        prompt = self._chat_prompt(messages, req.tools if req else None)
+        return prompt, self._chat_kwargs(prompt, kwargs), req
+
+    def _forced(self, prompt: str, call_kw: dict[str, Any], req: ToolRequest) -> ChatResponse:
+        """A forced call, constrained by grammar to a valid call of an allowed tool."""
+        from kvboost_rag.constrained import generate_tool_call
+
+        call_kw = self._call_kwargs(call_kw)
+        call_kw.pop("stop", None)  # a stop string would cut the call short
+        res, text = generate_tool_call(self._rag, prompt, req.tools, req.name, **call_kw)
+        return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=self._raw(res)))
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
 
-        kwargs = dict(kwargs)
-        tools = kwargs.pop("tools", None)
-        prompt = self._chat_prompt(messages, tools)
-        resp = completion_response_to_chat_response(self._complete(prompt, True, self._chat_kwargs(prompt, kwargs)))
-        return with_tool_calls(resp) if tools else resp
+        prompt, call_kw, req = self._chat_call(messages, kwargs)
+        if req is not None and req.forced:
+            return self._forced(prompt, call_kw, req)
+        resp = completion_response_to_chat_response(self._complete(prompt, True, call_kw))
+        return with_tool_calls(resp) if req is not None else resp
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        from llama_index.core.base.llms.generic_utils import stream_completion_response_to_chat_response
+
+        prompt, call_kw, req = self._chat_call(messages, kwargs)
+        if req is None:
+            return stream_completion_response_to_chat_response(self._stream(prompt, True, call_kw))
+        if req.forced:  # a forced call is no text: one response, with the call (generated when iterated)
+            self._call_kwargs(call_kw)  # validated now, before the caller iterates
+            return (self._forced(prompt, call_kw, req) for _ in range(1))
+        return stream_with_tool_calls(self._stream(prompt, True, call_kw))
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        from llama_index.core.base.llms.generic_utils import stream_completion_response_to_chat_response
-
-        prompt = self._chat_prompt(messages)
-        return stream_completion_response_to_chat_response(self._stream(prompt, True,
-                                                                         self._chat_kwargs(prompt, kwargs)))
+        return self._stream_chat(messages, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
-
-        kwargs = dict(kwargs)
-        tools = kwargs.pop("tools", None)
-        prompt = self._chat_prompt(messages, tools)
-        resp = await run_blocking(self._complete, prompt, True, self._chat_kwargs(prompt, kwargs))
-        out = completion_response_to_chat_response(resp)
-        return with_tool_calls(out) if tools else out
+        return await run_blocking(self._chat, messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        from llama_index.core.base.llms.generic_utils import astream_completion_response_to_chat_response
+        gen = self._stream_chat(messages, kwargs)  # validated now, before the caller iterates
 
-        prompt = self._chat_prompt(messages)
-        gen = self._stream(prompt, True, self._chat_kwargs(prompt, kwargs))
-
-        async def agen() -> CompletionResponseAsyncGen:
+        async def agen() -> ChatResponseAsyncGen:
             async for item in aiter_in_thread(lambda: gen):
                 yield item
 
-        return astream_completion_response_to_chat_response(agen())
-
+        return agen()
 
     # -- function calling: tools rendered by the chat template, <tool_call> replies parsed ----------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
                                  chat_history: list[ChatMessage] | None = None, verbose: bool = False,
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False,
-                                 **kwargs: Any) -> dict[str, Any]:
-        """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``)."""
-        if not self._template_has_tools():
-            raise ValueError("function calling needs a chat template that renders tools; this tokenizer's "
-                             "template does not mention them")
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``; a
+        template without a tools section gets them in the system message). ``tool_required`` (or
+        ``tool_choice`` "required"/a tool's name) constrains the reply to a valid call by grammar."""
+        if not self._template_chat:
+            raise ValueError("function calling needs the tokenizer's chat template; this KVBoostLLM has "
+                             "messages_to_prompt")
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
-        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools], **kwargs}
+        schemas = [t.metadata.to_openai_tool() for t in tools]
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        tool_request(schemas, tool_choice)  # a bad tool_choice fails here
+        return {"messages": messages, "tools": schemas, "tool_choice": tool_choice, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[Any]:
