@@ -39,7 +39,6 @@ from kvboost_core.assembly import (
     chain_digest,
     lookup,
     place,
-    plan_chunks,
 )
 from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import CacheKey, prefix_key, root_key
@@ -88,14 +87,9 @@ class CanonicalJob:
         a = engine.adapter
         if a.no_reuse or not a.layerwise:
             raise ValueError("canonical prefill needs a layer-wise model adapter (a Llama-like RoPE family)")
-        segs = engine.tokenize(prompt, add_special_tokens)
+        segs, total, chunks = engine._prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
-        total = sum(len(s.token_ids) for s in segs)
-        if total == 0:
-            raise ValueError("the prompt is empty after tokenization; pass non-empty text")
-        engine._check_context(total)
         cfg = engine.config
-        chunks = plan_chunks(segs, engine._spans)
         view = cast(KVStore, _ContentOnly(engine.store))  # lookup reads get() and children() only
         plan = lookup(view, segs, chunks, namespace=cfg.namespace, fingerprint=engine.fingerprint,
                       spans_of=engine._spans, sink_tokens=cfg.sink_tokens, allow_approx=a.rope.rerotatable,

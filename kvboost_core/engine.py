@@ -369,15 +369,20 @@ class KVEngine:
             validate_repair(r, 0.0)
         return verify(self, prompts, repairs, max_new_tokens, **repair_kw)
 
-    def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
-                 t0: float) -> tuple[PrefillResult, Plan, ScatterCache]:
+    def _prompt_chunks(self, prompt: Any, add_special_tokens: bool | None
+                       ) -> tuple[list[TokenizedSegment], int, list[Any]]:
+        """The prompt's segments, token count and chunks; refuses an empty prompt or one over the context."""
         segs = self.tokenize(prompt, add_special_tokens)
-        t_tok = time.perf_counter()
         total = sum(len(s.token_ids) for s in segs)
         if total == 0:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
         self._check_context(total)
-        chunks = plan_chunks(segs, self._spans)
+        return segs, total, plan_chunks(segs, self._spans)
+
+    def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
+                 t0: float) -> tuple[PrefillResult, Plan, ScatterCache]:
+        segs, total, chunks = self._prompt_chunks(prompt, add_special_tokens)
+        t_tok = time.perf_counter()
         # Repaired (approximate) prefixes are served only where this engine stores them: never by default.
         allow_repaired = spec.repair != "full" and spec.reuse_repaired and self.config.store_repaired
         if self.adapter.no_reuse:
