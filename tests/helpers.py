@@ -32,4 +32,17 @@ def docs_prompt(docs, question: str, head: str | None = None) -> list[Segment]:
     return segs + [Segment(text=d, cacheable=True) for d in docs] + [Segment(text=question)]
 
 
-__all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits", "full_prefill_kv"]
+def spy_generate(owner) -> list[dict]:
+    """Record each ``owner.rag.generate`` call's prompt and options (an adapter's KVBoostRAG), and run it."""
+    calls: list[dict] = []
+    real = owner.rag.generate
+
+    def generate(prompt, **kw):
+        calls.append({"prompt": prompt, **kw})
+        return real(prompt, **kw)
+
+    object.__setattr__(owner.rag, "generate", generate)
+    return calls
+
+
+__all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits", "full_prefill_kv", "spy_generate"]

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
+from helpers import spy_generate  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_kvboost import ChatKVBoost  # noqa: E402
@@ -84,23 +85,12 @@ def set_mode(mode: Literal["eco", "fast", "off"], loud: bool) -> str:
     return mode
 
 
-def _spy(chat) -> list[dict]:
-    """Record each chat.rag.generate call's prompt and options, and run it."""
-    calls: list[dict] = []
-    real = chat.rag.generate
-
-    def generate(prompt, **kw):
-        calls.append({"prompt": prompt, **kw})
-        return real(prompt, **kw)
-
-    object.__setattr__(chat.rag, "generate", generate)
-    return calls
 
 
 @pytest.mark.parametrize("choice", ["any", "set_mode"])
 def test_forced_tool_choice_is_constrained_to_a_valid_call(chat, choice):
     # A random-weight model: without the grammar it never writes a call (checked below), with it always does.
-    calls = _spy(chat)
+    calls = spy_generate(chat)
     bound = chat.bind_tools([get_weather, set_mode], tool_choice=choice, max_tokens=96, temperature=1.0)
     for seed in range(2):
         ai = bound.invoke("set the mode", seed=seed)
@@ -131,7 +121,7 @@ def test_tool_choice_spellings():
 
 
 def test_tool_choice_none_and_bad_names(chat):
-    calls = _spy(chat)
+    calls = spy_generate(chat)
     chat.bind_tools([get_weather], tool_choice="none").invoke("hi")
     assert "<tools>" not in calls[-1]["prompt"] and "logits_processor" not in calls[-1]
     for bad in ("nope", {"type": "function", "function": {"name": "nope"}}):
@@ -142,7 +132,7 @@ def test_tool_choice_none_and_bad_names(chat):
 def test_template_without_tools_gets_them_in_the_system_message():
     model, tok = tiny_model_and_tokenizer()  # its template renders role and content only
     plain = ChatKVBoost(engine=KVEngine(model, tok), max_tokens=4)
-    calls = _spy(plain)
+    calls = spy_generate(plain)
     plain.bind_tools([get_weather]).invoke([("system", "Be brief."), ("human", "weather?")])
     assert calls[-1]["prompt"].startswith('<|system|>\nBe brief.\n\n# Tools\n') and "get_weather" in calls[-1]["prompt"]
 

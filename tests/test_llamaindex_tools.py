@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("llama_index.core")
 
+from helpers import spy_generate  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
 from llama_index.llms.kvboost import KVBoostLLM  # noqa: E402
@@ -128,24 +129,13 @@ set_mode.__annotations__ = {"mode": Literal["eco", "fast", "off"], "loud": bool,
 MODE = FunctionTool.from_defaults(fn=set_mode)
 
 
-def _spy(llm: KVBoostLLM) -> list[dict]:
-    """Record each llm.rag.generate call's prompt and options, and run it."""
-    calls: list[dict] = []
-    real = llm.rag.generate
-
-    def generate(prompt, **kw):
-        calls.append({"prompt": prompt, **kw})
-        return real(prompt, **kw)
-
-    object.__setattr__(llm.rag, "generate", generate)
-    return calls
 
 
 @pytest.mark.parametrize("how", [{"tool_required": True}, {"tool_choice": "set_mode"}])
 def test_tool_required_is_constrained_to_a_valid_call(how):
     # A random-weight model writes no call freely; tool_required/tool_choice make every reply a valid call.
     llm = _llm(TOOL_TEMPLATE)
-    calls = _spy(llm)
+    calls = spy_generate(llm)
     for seed in range(2):
         resp = llm.chat_with_tools([WEATHER, MODE], user_msg="set the mode", max_new_tokens=96, temperature=1.0,
                                    seed=seed, **how)
