@@ -55,6 +55,10 @@ class EngineConfig:
     # tokens (the question and the template's tail) pay it at the check layer (0: off)
     query_tokens: int = 0
     check_layer: int = 1
+    # progressive CacheBlend: at recheck_layer (> check_layer) re-score the tokens kept at check_layer and keep
+    # recomputing only the top recheck_ratio of the candidates above it (None: one check layer)
+    recheck_layer: int | None = None
+    recheck_ratio: float = 0.0
     # measured on stories260K: beats plain deviation on story and QA workloads (see README)
     select: str = "deviation_recency"
     overlap_k: int = 16
@@ -96,6 +100,7 @@ class EngineConfig:
         # The config does not know the model: a check_layer past its last layer is clamped to the last layer.
         # A per-call check_layer is checked against the model (validate_check_layer).
         validate_check_layer(self.check_layer, None)
+        validate_recheck(self.recheck_layer, self.recheck_ratio, self.check_layer, None)
         if not isinstance(self.overlap_k, int) or self.overlap_k < 0:
             raise ValueError(f"overlap_k must be an int >= 0, got {self.overlap_k!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
@@ -151,6 +156,23 @@ def validate_check_layer(check_layer: int, num_layers: int | None) -> None:
     if check_layer < 0 or (num_layers is not None and check_layer >= num_layers):
         bound = "" if num_layers is None else f" and < {num_layers} (the model's layers)"
         raise ValueError(f"check_layer must be >= 0{bound}, got {check_layer!r}")
+
+
+def validate_recheck(recheck_layer: int | None, recheck_ratio: float, check_layer: int,
+                     num_layers: int | None) -> None:
+    """None, or a layer after ``check_layer`` (and inside the model when ``num_layers`` is known); the ratio a
+    float in [0, 1]."""
+    if isinstance(recheck_ratio, bool) or not isinstance(recheck_ratio, (int, float)) \
+            or not 0.0 <= float(recheck_ratio) <= 1.0:
+        raise ValueError(f"recheck_ratio must be a float in [0, 1], got {recheck_ratio!r}")
+    if recheck_layer is None:
+        return
+    if isinstance(recheck_layer, bool) or not isinstance(recheck_layer, int):
+        raise TypeError(f"recheck_layer must be None or an int layer index, got {type(recheck_layer).__name__} "
+                        f"{recheck_layer!r}")
+    if recheck_layer <= check_layer or (num_layers is not None and recheck_layer >= num_layers):
+        bound = "" if num_layers is None else f" and < {num_layers} (the model's layers)"
+        raise ValueError(f"recheck_layer must be > check_layer ({check_layer}){bound}, got {recheck_layer!r}")
 
 
 def validate_flag(name: str, value: object, allow_none: bool = True) -> None:

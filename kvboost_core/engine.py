@@ -36,6 +36,7 @@ from kvboost_core.config import (
     validate_adaptive,
     validate_check_layer,
     validate_flag,
+    validate_recheck,
     validate_repair,
 )
 from kvboost_core.decode import (
@@ -230,7 +231,8 @@ class KVEngine:
 
     def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
                      check_layer: int | None, reuse_repaired: bool = True, recompute_mass: float | None = None,
-                     query_tokens: int | None = None) -> RepairSpec:
+                     query_tokens: int | None = None, recheck_layer: int | None = None,
+                     recheck_ratio: float | None = None) -> RepairSpec:
         """Per-call overrides, validated as the config validates its own (a per-call check_layer also against
         the model's layers: the config's is clamped to the last layer since the config does not know the model)."""
         if check_layer is not None:
@@ -244,8 +246,12 @@ class KVEngine:
                           reuse_repaired=reuse_repaired,
                           recompute_mass=c.recompute_mass if recompute_mass is None else recompute_mass,
                           max_recompute_ratio=c.max_recompute_ratio,
-                          query_tokens=c.query_tokens if query_tokens is None else query_tokens)
+                          query_tokens=c.query_tokens if query_tokens is None else query_tokens,
+                          recheck_layer=c.recheck_layer if recheck_layer is None else recheck_layer,
+                          recheck_ratio=c.recheck_ratio if recheck_ratio is None else recheck_ratio)
         validate_repair(spec.repair, spec.recompute_ratio, spec.select)
+        validate_recheck(spec.recheck_layer, spec.recheck_ratio, spec.check_layer,
+                         self.adapter.num_layers if recheck_layer is not None else None)
         validate_adaptive(spec.recompute_mass, spec.max_recompute_ratio, spec.query_tokens)
         return spec
 
@@ -432,7 +438,7 @@ class KVEngine:
         approx = [i for i, s in enumerate(plan.status) if s in (APPROX, REPAIRED)]
         if not approx:
             return None
-        if schedule.check_layer is not None and schedule.n_select >= schedule.candidates.numel() > 0:
+        if schedule.keeps_every_candidate():
             return None  # CacheBlend keeps every candidate: nothing approximate is read
         return approx[-1] + 1
 
@@ -451,6 +457,7 @@ class KVEngine:
                 "reused_repaired": reused_repaired, "recomputed": recomputed, "computed": computed,
                 "reuse_ratio": (reused_exact + reused_approx + reused_repaired) / total, "repair": spec.repair,
                 "recompute_ratio": spec.recompute_ratio, "select": spec.select, "tokens_per_layer": per_layer,
+                "recheck_layer": spec.recheck_layer,
                 "hits_exact": plan.hits_exact, "hits_repaired": plan.hits_repaired,
                 "hits_content": plan.hits_content, "misses": plan.misses}
 
@@ -479,14 +486,15 @@ class KVEngine:
                 select: str | None = None, check_layer: int | None = None,
                 add_special_tokens: bool | None = None, store_prefix: bool | None = None,
                 reuse_repaired: bool = True, recompute_mass: float | None = None,
-                query_tokens: int | None = None) -> PrefillResult:
+                query_tokens: int | None = None, recheck_layer: int | None = None,
+                recheck_ratio: float | None = None) -> PrefillResult:
         """Assemble the prompt's KV from the cache, repair it, and return the next-token logits.
 
         ``reuse_repaired=False`` ignores prefix entries stored from earlier repaired (approximate) prefills, so
         the call measures its own strategy; ``repair="full"`` always ignores them."""
         t0 = time.perf_counter()
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
-                                 query_tokens)
+                                 query_tokens, recheck_layer, recheck_ratio)
         validate_flag("add_special_tokens", add_special_tokens)
         validate_flag("store_prefix", store_prefix)
         result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
@@ -506,14 +514,15 @@ class KVEngine:
         return GenerationStream(self, prompt, params, dict(kw, logits_processor=logits_processor))
 
     _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
-               "reuse_repaired", "recompute_mass", "query_tokens")
+               "reuse_repaired", "recompute_mass", "query_tokens", "recheck_layer", "recheck_ratio")
 
     def _check_run_kw(self, kw: dict[str, Any]) -> None:
         unknown = sorted(set(kw) - set(self._RUN_KW))
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; accepted: {', '.join(self._RUN_KW)}")
         self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
-                          kw.get("reuse_repaired", True), kw.get("recompute_mass"), kw.get("query_tokens"))
+                          kw.get("reuse_repaired", True), kw.get("recompute_mass"), kw.get("query_tokens"),
+                          kw.get("recheck_layer"), kw.get("recheck_ratio"))
         validate_flag("add_special_tokens", kw.get("add_special_tokens"))
         validate_flag("store_prefix", kw.get("store_prefix"))
 
@@ -538,10 +547,11 @@ class KVEngine:
              recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
              add_special_tokens: bool | None = None, store_prefix: bool | None = None,
              reuse_repaired: bool = True, recompute_mass: float | None = None,
-             query_tokens: int | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
+             query_tokens: int | None = None, recheck_layer: int | None = None,
+             recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
-                                 query_tokens)
+                                 query_tokens, recheck_layer, recheck_ratio)
         pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0)
         generator = None
         if params.seed is not None:

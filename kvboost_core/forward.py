@@ -36,6 +36,18 @@ class Schedule:
     # Query-aware selection: weight each candidate's score by the attention the last ``observers`` computed
     # positions (the question and the template's tail) pay it at the check layer. 0: off.
     observers: int = 0
+    # Progressive selection (CacheBlend's gradual filtering, LMCache's check_layers): at ``recheck_layer``
+    # (> check_layer) the kept candidates are scored again on that layer's deviation and only the top
+    # ``n_recheck`` keep running above it. None: one check layer.
+    recheck_layer: int | None = None
+    n_recheck: int = 0
+
+    def keeps_every_candidate(self) -> bool:
+        """Whether every candidate is recomputed in every layer (nothing approximate is left to read)."""
+        n_c = int(self.candidates.numel())
+        if self.check_layer is None or n_c == 0 or self.n_select < n_c:
+            return False
+        return self.recheck_layer is None or self.n_recheck >= n_c
 
 
 @dataclass(slots=True)
@@ -64,7 +76,6 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                 length: int) -> tuple[torch.Tensor, ForwardTrace]:
     """Returns the last computed position's hidden state (1, 1, hidden) and a trace of the work done."""
     trace = ForwardTrace()
-    captured: dict[str, torch.Tensor] = {}
     check = schedule.check_layer if schedule.candidates.numel() else None
     positions = _union(schedule.base, schedule.candidates) if check is not None else schedule.base
     if positions.numel() == 0:
@@ -74,42 +85,30 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     masks = _masks(adapter, positions, length)
     cache.length = length
 
-    scores: dict[str, torch.Tensor] = {}
-    scorer = schedule.scorer
-    if check is not None and scorer is not None:
-        cand_idx = torch.searchsorted(positions, schedule.candidates)  # where candidates sit in `positions`
-
-        def on_update(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-            if layer != check:
-                return
-            cached_k = cache.keys[layer][0, :, schedule.candidates].float()  # (H, n_c, D), before overwrite
-            cached_v = cache.values[layer][0, :, schedule.candidates].float()
-            fresh_k = k_new[0, :, cand_idx].float()
-            fresh_v = v_new[0, :, cand_idx].float()
-            scores["s"] = scorer(fresh_k, cached_k, fresh_v, cached_v, schedule.candidates)
-
-        cache.on_update = on_update
+    # Check layers in order, each with the positions it scores (the candidates still kept) and how it keeps.
+    checks: list[int] = []
+    if check is not None:
+        checks.append(check)
+        if schedule.recheck_layer is not None and schedule.recheck_layer > check:
+            checks.append(min(schedule.recheck_layer, adapter.num_layers - 1))
+    cands = schedule.candidates
 
     try:
         for layer in range(adapter.num_layers):
             cache.positions = positions
-            if check is not None and layer == check:
-                # K/V of every computed token (scored by on_update before they overwrite the cached ones),
-                # then the whole layer for the kept tokens only, which attend to those fresh K/V.
-                hook = _capture_queries(adapter, layer, captured) if schedule.observers else None
-                try:
-                    adapter.layer_kv(layer, hidden, masks[layer], cos_sin, positions, cache)
-                finally:
-                    if hook is not None:
-                        hook.remove()
-                trace.kv_only_tokens = int(positions.numel())
-                cache.on_update = None
-                score = scores.get("s")
-                if score is not None and "q" in captured:
-                    att = observer_attention(captured["q"], cache.keys[layer][0, :, :length], positions, cos_sin,
-                                             schedule.candidates, schedule.observers)
-                    score = score * att  # the deviation the question actually reads
-                keep = _select(schedule, score)
+            if checks and layer == checks[0]:
+                checks.pop(0)
+                # K/V of every computed token (scored before they overwrite the cached ones), then the whole
+                # layer for the kept tokens only, which attend to those fresh K/V.
+                score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache, cands,
+                                      schedule, observers=schedule.observers if layer == check else 0)
+                if layer == check:
+                    trace.kv_only_tokens = int(positions.numel())
+                    keep = _select(schedule, score)
+                else:  # a re-check narrows what the first check kept; no adaptive mass, no observers
+                    keep = _top(cands, score, schedule.n_recheck)
+                    trace.kv_only_tokens += int(positions.numel())
+                cands = keep
                 trace.selected = keep
                 new_positions = _union(schedule.base, keep)
                 idx = torch.searchsorted(positions, new_positions)
@@ -126,6 +125,40 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
         if adapter.reader is not None:  # later plain HF calls on this thread run the base model
             adapter.reader.set_rows(positions, None)
     return hidden[:, -1:], trace
+
+
+def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask: torch.Tensor | None,
+                  cos_sin: Any, positions: torch.Tensor, cache: ScatterCache, cands: torch.Tensor,
+                  schedule: Schedule, observers: int) -> torch.Tensor | None:
+    """Compute this layer's K/V for ``positions`` (written into the cache) and score ``cands`` (a subset of
+    them) by how far their fresh K/V moved from the cached K/V. Returns (n_c,) scores, or None without a scorer."""
+    scorer = schedule.scorer
+    scores: dict[str, torch.Tensor] = {}
+    captured: dict[str, torch.Tensor] = {}
+    cand_idx = torch.searchsorted(positions, cands)  # where candidates sit in `positions`
+
+    def on_update(at: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        if at != layer or scorer is None:
+            return
+        cached_k = cache.keys[at][0, :, cands].float()  # (H, n_c, D), before the overwrite
+        cached_v = cache.values[at][0, :, cands].float()
+        scores["s"] = scorer(k_new[0, :, cand_idx].float(), cached_k, v_new[0, :, cand_idx].float(), cached_v,
+                             cands)
+
+    cache.on_update = on_update
+    hook = _capture_queries(adapter, layer, captured) if observers else None
+    try:
+        adapter.layer_kv(layer, hidden, mask, cos_sin, positions, cache)
+    finally:
+        cache.on_update = None
+        if hook is not None:
+            hook.remove()
+    score = scores.get("s")
+    if score is not None and "q" in captured:
+        att = observer_attention(captured["q"], cache.keys[layer][0, :, :cache.length], positions, cos_sin, cands,
+                                 observers)
+        score = score * att  # the deviation the question actually reads
+    return score
 
 
 def _capture_queries(adapter: ModelAdapter, layer: int, out: dict[str, torch.Tensor]) -> Any:
@@ -177,10 +210,18 @@ def _select(schedule: Schedule, score: torch.Tensor | None) -> torch.Tensor:
         share = torch.cumsum(ordered, 0) / ordered.sum().clamp_min(1e-12)
         need = int(torch.searchsorted(share, torch.tensor(schedule.mass, device=share.device))) + 1
         k = max(k, min(need, schedule.n_max or n_c, n_c))
+    return _top(schedule.candidates, score, k)
+
+
+def _top(candidates: torch.Tensor, score: torch.Tensor | None, k: int) -> torch.Tensor:
+    """The ``k`` highest-scored candidates, sorted by position."""
+    k = min(k, int(candidates.numel()))
     if k <= 0:
-        return schedule.candidates[:0]
+        return candidates[:0]
+    if score is None:
+        raise RuntimeError("CacheBlend selection ran without deviation scores")
     top = torch.topk(score, k, sorted=False).indices
-    return torch.sort(schedule.candidates[top]).values
+    return torch.sort(candidates[top]).values
 
 
 @torch.inference_mode()

@@ -5,6 +5,9 @@
   the tokens right after a document boundary carry most of the error).
 - ``cacheblend``: compute every re-placed token up to ``check_layer``, measure how far its fresh K/V moved
   from the cached K/V there, and keep recomputing only the top ``recompute_ratio`` in the layers above.
+  With ``recheck_layer``, the kept tokens are scored again at that later layer and only the top
+  ``recheck_ratio`` of the candidates keep running above it (progressive filtering: more tokens repaired in
+  the lower layers for the same cost). A token dropped there is still approximate and counts as reused.
 - ``full``: recompute every re-placed token (the reference; equals a full prefill).
 Exact-prefix tokens are never recomputed (their KV is exact by construction) and cost nothing.
 """
@@ -31,6 +34,8 @@ class RepairSpec:
     recompute_mass: float = 0.0  # > 0: adaptive, keep the top scores covering this share of the total
     max_recompute_ratio: float = 1.0  # the adaptive selection's upper bound
     query_tokens: int = 0  # > 0: weight scores by the attention of the last N computed tokens (query-aware)
+    recheck_layer: int | None = None  # a second check layer: re-score the kept tokens there and narrow them
+    recheck_ratio: float = 0.0  # share of the candidates still recomputed above recheck_layer
 
 
 def _sq_dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,9 @@ def build_schedule(plan: Plan, spec: RepairSpec, num_layers: int, device: torch.
         n_select = math.ceil(spec.recompute_ratio * candidates.numel())
         n_max = max(n_select, math.ceil(spec.max_recompute_ratio * candidates.numel()))
         check = min(spec.check_layer, num_layers - 1)
+        recheck = None if spec.recheck_layer is None else min(spec.recheck_layer, num_layers - 1)
         return Schedule(base=base, candidates=candidates, check_layer=check, n_select=n_select,
                         scorer=make_scorer(spec.select, fresh), mass=spec.recompute_mass, n_max=n_max,
-                        observers=spec.query_tokens)
+                        observers=spec.query_tokens, recheck_layer=recheck if recheck != check else None,
+                        n_recheck=math.ceil(spec.recheck_ratio * candidates.numel()))
     raise ValueError(f"unknown repair {spec.repair!r}")
