@@ -8,8 +8,11 @@ before them; the tail after the last document and the answer run through the gat
 KL(teacher || student) over the answer positions (teacher forcing on the teacher's answer), so the adapter is
 trained to reproduce the base model's full-prefill answers, not gold answers.
 
-Only the tune split's documents and questions are trained on; the eval split stays held out for the benchmark
-(``kvboost-rag bench rag --reader DIR``).
+Training chats come from the tune split's documents and questions, from templated synthetic documents
+(``--data synth|mix``, kvboost_rag.app.synth_corpus: many more entities and phrasings than 32 hand-written
+documents), or both; validation chats always come from tune. The eval split stays held out for the benchmark
+(``kvboost-rag bench rag --reader DIR``). ``--repair cacheblend --recompute-ratio R`` trains on the cache that
+setting serves instead of ``none``'s, so the adapter learns to correct what is left after repair.
 
     kvboost-rag adapt --out ~/.cache/kvboost-rag/readers/smollm2 --samples 320 --steps 600
 """
@@ -62,12 +65,13 @@ def teacher(model: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) 
     return tokens, torch.stack(logps)
 
 
-def build_samples(rag: Any, split: str, n: int, ks: Sequence[int], max_new_tokens: int, seed: int,
-                  log: Any = print) -> list[Sample]:
-    """``n`` training chats from ``split`` (documents warmed first), cycling over k in ``ks`` and seeds."""
+def build_samples(rag: Any, corpus: Any, n: int, ks: Sequence[int], max_new_tokens: int, seed: int,
+                  student: dict[str, Any] | None = None, log: Any = print) -> list[Sample]:
+    """``n`` training chats from ``corpus`` (documents warmed first), cycling over k in ``ks`` and seeds. The
+    student's prompt KV is what the engine serves with ``student`` (engine kwargs; default ``repair="none"``)."""
     from kvboost_rag.app import rag_corpus as rc
 
-    corpus = rc.load_corpus(split)
+    student = dict(student or {"repair": "none"})
     rag.warm_documents([rc.doc_text(d) for d in corpus.documents], show_progress=False)
     engine = rag.engine
     eos = set(engine._eos)
@@ -88,7 +92,7 @@ def build_samples(rag: Any, split: str, n: int, ks: Sequence[int], max_new_token
         if not plan.doc_ranges:
             continue
         gate_from = max(b for _, b in plan.doc_ranges)
-        pre = engine.prefill(plan.segments, repair="none", store_prefix=False, add_special_tokens=False)
+        pre = engine.prefill(plan.segments, store_prefix=False, add_special_tokens=False, **student)
         if pre.token_ids != ids:
             raise RuntimeError("prompt drift: the engine's ids differ from the plan's")
         answer, logp = teacher(engine.model, ids, max_new_tokens, eos)
@@ -184,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale = alpha / rank)")
     ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (cosine, 5%% warm-up)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=32, help="teacher answer length")
+    ap.add_argument("--data", choices=("tune", "synth", "mix"), default="tune",
+                    help="training chats: the hand-written tune split, templated synthetic documents "
+                         "(kvboost_rag.app.synth_corpus), or half of each; validation chats always come from tune")
+    ap.add_argument("--synth-docs", type=positive_int, default=240, help="synthetic documents to write (--data synth/mix)")
+    ap.add_argument("--repair", choices=("none", "cacheblend"), default="none",
+                    help="the served setting whose KV the student reads (train on the setting you will serve)")
+    ap.add_argument("--recompute-ratio", type=float, default=0.15, help="CacheBlend's ratio with --repair cacheblend")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     args = ap.parse_args(argv)
@@ -195,27 +206,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--k values must be >= 1, got {args.k!r}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
+    if not 0.0 <= args.recompute_ratio <= 1.0:
+        ap.error(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from kvboost_core.reader import ReaderAdapter
     from kvboost_rag import KVBoostRAG
+    from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.synth_corpus import synthetic_corpus
 
     t0 = time.perf_counter()
     rag = KVBoostRAG.from_model_id(args.model, device="cpu", auto_calibrate=False)
     engine = rag.engine
     reader = ReaderAdapter.attach(engine.model, rank=args.rank, alpha=args.alpha,
                                   base_fingerprint=engine.fingerprint)
-    print(f"teacher answers for {args.samples + args.val} tune chats (k in {ks})")
-    samples = build_samples(rag, "tune", args.samples + args.val, ks, args.max_new_tokens, args.seed)
+    student: dict[str, Any] = {"repair": args.repair}
+    if args.repair == "cacheblend":
+        student["recompute_ratio"] = args.recompute_ratio
+    tune = rc.load_corpus("tune")
+    n_synth = 0 if args.data == "tune" else args.samples if args.data == "synth" else args.samples // 2
+    print(f"teacher answers for {args.val} validation + {args.samples - n_synth} tune + {n_synth} synthetic chats "
+          f"(k in {ks}; student reads {student})")
+    samples = build_samples(rag, tune, args.samples - n_synth + args.val, ks, args.max_new_tokens, args.seed, student)
     val, trn = samples[: args.val], samples[args.val:]
+    if n_synth:
+        synth = synthetic_corpus(args.synth_docs, args.seed)
+        trn += build_samples(rag, synth, n_synth, ks, args.max_new_tokens, args.seed, student)
     t_data = time.perf_counter() - t0
     before = evaluate(engine.model, reader, val)
     print(f"before: {before}")
     losses = train(engine.model, reader, trn, args.steps, args.lr, args.seed)
     after = evaluate(engine.model, reader, val)
     print(f"after: {after}")
-    reader.meta.trained = {"base": args.model, "split": "tune", "samples": len(trn), "val": len(val),
+    reader.meta.trained = {"base": args.model, "data": args.data, "synth_docs": args.synth_docs if n_synth else 0,
+                           "student": student, "samples": len(trn), "val": len(val),
                            "steps": args.steps, "k": ks, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
                            "data_s": round(t_data, 1), "train_s": round(time.perf_counter() - t0 - t_data, 1),
                            "val_answer_kl_none": after["none_kl"], "val_answer_kl_reader": after["reader_kl"],
