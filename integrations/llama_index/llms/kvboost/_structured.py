@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from kvboost_rag.aio import aiter_in_thread, run_blocking
+
 
 def _request(llm: Any, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None,
              prompt_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -100,3 +102,30 @@ def stream_structured_predict(llm: Any, output_cls: Any, prompt: Any, llm_kwargs
             yield final
 
     return gen()
+
+
+class StructuredOutput:
+    """KVBoostLLM's structured output, constrained: a mixin placed before llama-index's ``LLM`` in the bases,
+    so these replace its unconstrained fallbacks. llama-index's own ``stream_structured_predict`` and
+    ``astream_structured_predict`` (kept for their instrumentation events) stream what the two
+    ``_structured_*stream_call`` hooks return."""
+
+    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Any:
+        """``output_cls`` from the model, its JSON schema enforced by constrained decoding (llguidance), so the
+        reply always parses (ValueError when ``max_new_tokens`` runs out first)."""
+        return structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        return await run_blocking(structured_predict, self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    def _structured_stream_call(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                **prompt_args: Any) -> Any:
+        return stream_structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    async def _structured_astream_call(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                       **prompt_args: Any) -> Any:
+        # built off the loop too: a tokenizer's first grammar prepares its vocabulary (seconds)
+        gen = await run_blocking(stream_structured_predict, self, output_cls, prompt, llm_kwargs, prompt_args)
+        return aiter_in_thread(lambda: gen)

@@ -33,6 +33,7 @@ try:
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.llms.function_calling import FunctionCallingLLM
     from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
+    from llama_index.llms.kvboost._structured import StructuredOutput
     from llama_index.llms.kvboost._tools import (
         ToolRequest,
         stream_with_tool_calls,
@@ -94,12 +95,14 @@ def _model_name(engine: KVEngine) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the LLM
-class KVBoostLLM(FunctionCallingLLM, CustomLLM):
+class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
     """A local HuggingFace model behind kvboost: warmed documents' KV is reused wherever they appear in a prompt.
 
     Build it with ``KVBoostLLM.from_model_id(path, **engine_kwargs)`` or ``KVBoostLLM(engine=KVEngine(...))``.
     Warm documents with :meth:`warm_documents` or a :class:`KVWarmer` at the end of an ingestion pipeline; any
     stock query engine then reuses their KV. ``last_stats`` tells how much was reused by the last call.
+    Structured output (``structured_predict`` and its async/streaming variants) is constrained JSON: see
+    :class:`~llama_index.llms.kvboost._structured.StructuredOutput`.
     """
 
     model_name: str = Field(default="kvboost", description="Name reported in the LLM metadata.")
@@ -284,37 +287,6 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
                 yield item
 
         return agen()
-
-    # -- structured output: JSON enforced by constrained decoding ----------------------------------------------
-    def _structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None,
-                            prompt_args: dict[str, Any]) -> Any:
-        from llama_index.llms.kvboost._structured import structured_predict
-
-        return structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
-
-    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                           **prompt_args: Any) -> Any:
-        """``output_cls`` from the model, its JSON schema enforced by constrained decoding (llguidance), so the
-        reply always parses (ValueError when ``max_new_tokens`` runs out first). ``stream_structured_predict``
-        and ``astream_structured_predict`` take the same path, yielding partial objects (see ``_structured``)."""
-        return self._structured_predict(output_cls, prompt, llm_kwargs, prompt_args)
-
-    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                  **prompt_args: Any) -> Any:
-        return await run_blocking(self._structured_predict, output_cls, prompt, llm_kwargs, prompt_args)
-
-    def _structured_stream_call(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                **prompt_args: Any) -> Any:
-        # stream_structured_predict (llama-index's, for its events) streams what this returns: constrained JSON
-        from llama_index.llms.kvboost._structured import stream_structured_predict
-
-        return stream_structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
-
-    async def _structured_astream_call(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                       **prompt_args: Any) -> Any:
-        # built off the loop too: the first grammar of a tokenizer prepares its vocabulary (seconds)
-        gen = await run_blocking(self._structured_stream_call, output_cls, prompt, llm_kwargs, **prompt_args)
-        return aiter_in_thread(lambda: gen)
 
     # -- chat: through the tokenizer's chat template (tools: see _tools) ---------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
