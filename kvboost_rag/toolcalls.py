@@ -1,7 +1,8 @@
 """Hermes/Qwen tool calls without any framework: replies parsed from ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` blocks (the convention chat templates with a ``tools`` section teach), the JSON schema of a forced
-call (the grammar of constrained decoding when ``tool_choice`` forces a tool), and the tools described in the
-system message for templates that do not render tools. The LangChain and the LlamaIndex integrations wrap the
+call (the grammar of constrained decoding when ``tool_choice`` forces a tool; with parallel calls allowed,
+the Lark grammar of 1..MAX_PARALLEL_CALLS such blocks), and the tools described in the system message for
+templates that do not render tools. The LangChain and the LlamaIndex integrations wrap the
 results in their own types."""
 
 from __future__ import annotations
