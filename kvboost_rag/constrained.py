@@ -41,6 +41,7 @@ import json
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class JsonConstraint:
     CLOSE_HORIZON = 64  # longest closing path looked for (a deeper one: no closing, as before)
 
     def __init__(self, tokenizer: Any, n_vocab: int, schema: dict[str, Any] | None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, *, lark: str | None = None) -> None:
         from kvboost_rag._lazy import require
 
         require("llguidance")
@@ -128,9 +129,14 @@ class JsonConstraint:
 
         if schema is not None and not isinstance(schema, dict):
             raise TypeError(f"schema must be a JSON schema dict, got {type(schema).__name__}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(closed_schema(schema) if schema is not None else {"type": "object"}),
-            defaults={"whitespace_flexible": False})  # compact JSON: no run-away whitespace
+        if lark is not None:  # a Lark grammar embedding JSON (%json), e.g. several tool-call blocks
+            if not isinstance(lark, str) or schema is not None:
+                raise TypeError("lark must be a Lark grammar str, given instead of a schema (schema=None)")
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(closed_schema(schema) if schema is not None else {"type": "object"}),
+                defaults={"whitespace_flexible": False})  # compact JSON: no run-away whitespace
         self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, n_vocab), grammar)
         error = self.matcher.get_error()
         if error:
@@ -235,10 +241,31 @@ class JsonConstraint:
         return bool(self.matcher.is_accepting() or self.matcher.is_stopped())
 
 
+def _json_constraint(rag: Any, schema: dict[str, Any] | None, max_new_tokens: int,
+                     lark: str | None = None) -> JsonConstraint:
+    return JsonConstraint(rag.tokenizer, int(rag.engine.model.config.vocab_size), schema, budget=max_new_tokens,
+                          lark=lark)
+
+
+def _finished(result: GenerationResult, constraint: JsonConstraint) -> GenerationResult:
+    """The result with the constraint's stats, and "stop" when the budget's last token finished the value."""
+    result.stats.update(constrained=True, mask_s=constraint.mask_s, closing_forced=constraint.closing_forced)
+    if result.finish_reason == "length" and constraint.complete(list(result.token_ids)):
+        result = _stopped(result)
+    return result
+
+
+def _stopped(result: GenerationResult, **changes: Any) -> GenerationResult:
+    """``result`` finished by "stop", in its stats too (callers report the stats' finish_reason)."""
+    result.stats["finish_reason"] = "stop"
+    return dataclasses.replace(result, finish_reason="stop", **changes)
+
+
 def generate_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_new_tokens: int = 256,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                  stop: Any = None, **engine_kw: Any) -> GenerationResult:
-    """Generate a completion of ``prompt`` that is a JSON value of ``schema`` (None: any JSON object).
+                  stop: Any = None, lark: str | None = None, **engine_kw: Any) -> GenerationResult:
+    """Generate a completion of ``prompt`` that is a JSON value of ``schema`` (None: any JSON object; or,
+    with ``lark``, a text of that Lark grammar, whose JSON parts are closed in time the same way).
 
     It runs through ``rag.generate`` like a plain call (warmed documents in the prompt are reused; ``engine_kw``
     such as ``repair`` or ``add_special_tokens`` go to the engine), with a :class:`JsonConstraint` as the
@@ -247,28 +274,53 @@ def generate_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_n
     result's stats add ``constrained`` (True), ``mask_s`` (time spent in the grammar) and ``closing_forced``
     (tokens chosen to close the JSON in time); ``finish_reason`` is "stop" whenever the JSON is complete."""
     del stop
-    constraint = JsonConstraint(rag.tokenizer, int(rag.engine.model.config.vocab_size), schema,
-                                budget=max_new_tokens)
+    constraint = _json_constraint(rag, schema, max_new_tokens, lark)
     result = rag.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                           logits_processor=constraint, **engine_kw)
-    result.stats.update(constrained=True, mask_s=constraint.mask_s, closing_forced=constraint.closing_forced)
-    if result.finish_reason == "length" and constraint.complete(list(result.token_ids)):
-        result = dataclasses.replace(result, finish_reason="stop")  # the last token finished the JSON
-    return result
+    return _finished(result, constraint)
 
 
-def generate_tool_call(rag: Any, prompt: str, tools: list[dict[str, Any]], name: str | None = None,
-                       **kw: Any) -> tuple[GenerationResult, str]:
+def stream_json(rag: Any, prompt: str, schema: dict[str, Any] | None, *, max_new_tokens: int = 256,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Any = None,
+                on_result: Any = None, **engine_kw: Any) -> Iterator[str]:
+    """:func:`generate_json` streamed through ``rag.stream``: yields the text pieces of the constrained JSON;
+    ``on_result(result, stats)`` gets the finished result (its ``finish_reason`` fixed as generate_json's).
+    The grammar is compiled now, so a bad schema fails here rather than at the first ``next``."""
+    del stop
+    constraint = _json_constraint(rag, schema, max_new_tokens)
+
+    def finished(result: GenerationResult, stats: dict[str, Any]) -> None:
+        result = _finished(result, constraint)  # result.stats is stats: updated in place
+        if on_result is not None:
+            on_result(result, stats)
+
+    return rag.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                      logits_processor=constraint, on_result=finished, **engine_kw)
+
+
+def generate_tool_call(rag: Any, prompt: str, tools: list[dict[str, Any]], name: str | None = None, *,
+                       calls: int = 1, **kw: Any) -> tuple[GenerationResult, str]:
     """A forced tool call (``tool_choice`` "any"/"required" or a tool's name): the prompt (a rendered chat
     prompt ending with the assistant's generation prompt) gets ``<tool_call>\\n`` appended, and the reply is
-    constrained to ``{"name": <one of tools, or name>, "arguments": <that tool's parameter schema>}``.
-    Returns (the result, the reply as the model wrote it: ``<tool_call>\\n{json}``), which
-    :func:`kvboost_rag.toolcalls.parse_tool_call_blocks` parses into a valid call unless ``finish_reason`` is
-    "length" (the token budget cut the JSON)."""
-    from kvboost_rag.toolcalls import TOOL_CALL_START, tool_call_schema
+    constrained to ``{"name": <one of tools, or name>, "arguments": <that tool's parameter schema>}``; with
+    ``calls`` > 1 (parallel calls allowed) to 1..``calls`` such blocks
+    (:func:`kvboost_rag.toolcalls.tool_calls_grammar`), the model choosing how many.
+    Returns (the result, the reply as the model wrote it: ``<tool_call>\\n{json}``...), which
+    :func:`kvboost_rag.toolcalls.parse_tool_call_blocks` parses into valid calls unless ``finish_reason`` is
+    "length" (the token budget cut the JSON; with several blocks, a cut last block is dropped and the reply
+    ends at the last complete one, ``stats["calls_dropped"] == 1``)."""
+    from kvboost_rag.toolcalls import TOOL_CALL_START, complete_calls, tool_call_schema, tool_calls_grammar
 
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-    schema = tool_call_schema(tools, name)
-    result = generate_json(rag, prompt + TOOL_CALL_START, schema, **kw)
+    if calls == 1:  # one call: the call's JSON schema itself, as before parallel calls existed
+        result = generate_json(rag, prompt + TOOL_CALL_START, tool_call_schema(tools, name), **kw)
+        return result, TOOL_CALL_START + result.text
+    result = generate_json(rag, prompt + TOOL_CALL_START, None, lark=tool_calls_grammar(tools, name, calls), **kw)
+    if result.finish_reason == "length":
+        # The budget ran out inside a later block: the blocks before it are complete calls; keep those.
+        kept = complete_calls(result.text)
+        if kept is not None:
+            result.stats["calls_dropped"] = kept[1]
+            result = _stopped(result, text=kept[0])
     return result, TOOL_CALL_START + result.text

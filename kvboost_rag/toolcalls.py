@@ -1,7 +1,8 @@
 """Hermes/Qwen tool calls without any framework: replies parsed from ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` blocks (the convention chat templates with a ``tools`` section teach), the JSON schema of a forced
-call (the grammar of constrained decoding when ``tool_choice`` forces a tool), and the tools described in the
-system message for templates that do not render tools. The LangChain and the LlamaIndex integrations wrap the
+call (the grammar of constrained decoding when ``tool_choice`` forces a tool; with parallel calls allowed,
+the Lark grammar of 1..MAX_PARALLEL_CALLS such blocks), and the tools described in the system message for
+templates that do not render tools. The LangChain and the LlamaIndex integrations wrap the
 results in their own types."""
 
 from __future__ import annotations
@@ -102,6 +103,64 @@ def tool_call_schema(tools: list[dict[str, Any]], name: str | None = None) -> di
                         "required": ["name", "arguments"]})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "$defs": defs} if defs else schema
+
+
+# ---------------------------------------------------------------------------------------------------- parallel calls
+MAX_PARALLEL_CALLS = 8  # most calls in one forced reply: a grammar bound, so a looping model cannot run on
+TOOL_CALL_END = "\n</tool_call>"
+# Between two blocks, as Qwen2.5's template writes an assistant's several calls (and messages_with_tools does).
+CALL_SEPARATOR = "\n"
+
+
+def max_calls(parallel: bool) -> int:
+    """How many calls a forced reply may hold: MAX_PARALLEL_CALLS when parallel calls are allowed, else 1."""
+    if not isinstance(parallel, bool):
+        raise TypeError(f"parallel tool calls must be a bool, got {type(parallel).__name__}")
+    return MAX_PARALLEL_CALLS if parallel else 1
+
+
+def tool_calls_grammar(tools: list[dict[str, Any]], name: str | None = None,
+                       calls: int = MAX_PARALLEL_CALLS) -> str:
+    """The Lark grammar (llguidance) of 1..``calls`` forced calls after :data:`TOOL_CALL_START`: each a compact
+    JSON call of :func:`tool_call_schema` (every block chooses its own tool), blocks joined by ``</tool_call>``,
+    :data:`CALL_SEPARATOR` and ``<tool_call>``, the last one's ``</tool_call>`` optional. The model decides how
+    many: after each closed block it may end (EOS) or open the next one; after ``calls`` blocks it must end."""
+    if isinstance(calls, bool) or not isinstance(calls, int) or not 1 <= calls <= MAX_PARALLEL_CALLS:
+        raise ValueError(f"calls must be an int in 1..{MAX_PARALLEL_CALLS}, got {calls!r}")
+    from kvboost_rag.constrained import closed_schema
+
+    schema = {**closed_schema(tool_call_schema(tools, name)), "x-guidance": {"whitespace_flexible": False}}
+    between = json.dumps(TOOL_CALL_END + CALL_SEPARATOR + TOOL_CALL_START)
+    return (f"start: call ({between} call){{0,{calls - 1}}} {json.dumps(TOOL_CALL_END)}?\n"
+            f"call: %json {json.dumps(schema)}\n")
+
+
+def complete_calls(text: str) -> tuple[str, int] | None:
+    """For a forced reply of several blocks (after :data:`TOOL_CALL_START`) that the token budget cut short:
+    (``text`` cut after its last complete call and closed, how many started blocks were dropped: 0 or 1),
+    since the blocks before the cut one are whole calls worth keeping. None without one complete call."""
+    decoder = json.JSONDecoder()
+    between = TOOL_CALL_END + CALL_SEPARATOR + TOOL_CALL_START
+    pos = kept = 0
+    while True:
+        try:
+            kept = decoder.raw_decode(text, pos)[1]
+        except ValueError:
+            break
+        if not text.startswith(between, kept):
+            break
+        pos = kept + len(between)
+    if kept == 0:
+        return None
+    # what follows the last whole call is its (maybe cut) closing tag, or the start of a block that was cut
+    return text[:kept] + TOOL_CALL_END, int(not TOOL_CALL_END.startswith(text[kept:]))
+
+
+def first_call_only(calls: list[Any], invalid: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(calls, invalid) of a reply when parallel calls are not allowed: the first valid call alone (as OpenAI's
+    ``parallel_tool_calls=False`` and llama-index's ``force_single_tool_call``); the malformed blocks are kept
+    only when there is no valid call, so the caller still sees why."""
+    return (calls[:1], []) if calls else ([], invalid)
 
 
 # ---------------------------------------------------------------------------------------------------- templates

@@ -91,7 +91,8 @@ def set_mode(mode: Literal["eco", "fast", "off"], loud: bool) -> str:
 def test_forced_tool_choice_is_constrained_to_a_valid_call(chat, choice):
     # A random-weight model: without the grammar it never writes a call (checked below), with it always does.
     calls = spy_generate(chat)
-    bound = chat.bind_tools([get_weather, set_mode], tool_choice=choice, max_tokens=96, temperature=1.0)
+    bound = chat.bind_tools([get_weather, set_mode], tool_choice=choice, max_tokens=96, temperature=1.0,
+                            parallel_tool_calls=False)  # one call (parallel ones: test_parallel_tool_calls.py)
     for seed in range(2):
         ai = bound.invoke("set the mode", seed=seed)
         assert calls[-1]["prompt"].endswith("<|im_start|>assistant\n<tool_call>\n")

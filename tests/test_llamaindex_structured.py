@@ -52,3 +52,55 @@ def test_bad_output_class_and_budget(llm):
         llm.structured_predict(dict, tmpl)
     with pytest.raises(ValueError, match="max_new_tokens=3"):
         llm.structured_predict(Person, tmpl, llm_kwargs={"max_new_tokens": 3})
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+def test_stream_structured_predict_is_constrained_and_yields_partials(llm):
+    tmpl = PromptTemplate("Describe person number {i} who lives in city {city}.")
+    real, processors = llm.rag.stream, []
+
+    def stream(prompt, **kw):
+        processors.append(kw.get("logits_processor"))
+        return real(prompt, **kw)
+
+    object.__setattr__(llm.rag, "stream", stream)
+    partial_seen = 0
+    for i in range(6):
+        out = list(llm.stream_structured_predict(Person, tmpl, i=i, city=i * 7 % 13))
+        assert isinstance(out[-1], Person)  # the last one complete and valid
+        Person.model_validate(out[-1].model_dump())
+        assert processors[-1] is not None  # through the grammar, not llama-index's free path
+        partial_seen += sum(not isinstance(o, Person) for o in out)
+        assert len(out) >= 2 and all(set(o.model_dump()) <= set(Person.model_fields) for o in out)
+    assert partial_seen > 0  # flexible copies with the fields parsed so far, as llama-index streams them
+    object.__setattr__(llm.rag, "stream", real)
+
+
+def test_astream_structured_predict_runs_off_the_loop(llm):
+    tmpl = PromptTemplate("Who is person {i}?")
+
+    async def collect():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        out = [o async for o in await llm.astream_structured_predict(Person, tmpl, i=3)]
+        ticker.cancel()
+        return out, ticks
+
+    out, ticks = asyncio.run(collect())
+    assert isinstance(out[-1], Person) and len(out) >= 2
+    assert ticks > len(out)  # the loop kept running while the model generated
+
+
+def test_stream_structured_predict_errors(llm):
+    tmpl = PromptTemplate("Who?")
+    with pytest.raises(TypeError, match="output_cls"):
+        list(llm.stream_structured_predict(dict, tmpl))
+    with pytest.raises(ValueError, match="max_new_tokens=3"):
+        list(llm.stream_structured_predict(Person, tmpl, llm_kwargs={"max_new_tokens": 3}))

@@ -39,6 +39,7 @@ from langchain_kvboost.llms import _info
 from langchain_kvboost.structured import METHODS, response_format, structured_runnable
 from langchain_kvboost.tools import (
     ToolPlan,
+    check_parallel,
     format_tools,
     message_dict,
     parse_tool_calls,
@@ -108,7 +109,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         prompt = self.rag.chat_prompt(to_chat_dicts(messages), format_tools(tools) if tools else None)
         return len(self.rag.encode(prompt, self.rag.chat_add_special_tokens(prompt)))
 
-    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                    **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (BaseTool, pydantic models, functions or OpenAI schemas). They are rendered by the chat
         template (``tools=``); ``<tool_call>{json}</tool_call>`` replies become ``AIMessage.tool_calls``.
@@ -117,9 +118,18 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         is constrained by grammar (llguidance) to ``{"name": ..., "arguments": <the tool's JSON schema>}``,
         so it always parses (the JSON is closed before the token budget runs out, if the budget allows a call at
         all). Templates without a tools section get the tools described in the system message (Hermes/Qwen
-        wording)."""
+        wording). ``parallel_tool_calls`` (also a call keyword, as in langchain-openai): True lets a forced
+        reply hold 1..8 calls (by grammar, the model choosing how many), False keeps any reply to one call; the
+        default (None) keeps a forced reply to one call and a free one to what the model wrote (unlike OpenAI's
+        default: see :mod:`langchain_kvboost.tools` for why). ``with_structured_output(method=
+        "function_calling")`` asks for one."""
         formatted = format_tools(tools)
         tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
+        check_parallel(parallel_tool_calls)  # a bad value too
+        if parallel_tool_calls is None and "ls_structured_output_format" in kwargs:
+            parallel_tool_calls = False  # structured output parses one object: one call, as langchain-openai
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(self, schema: Any = None, *, method: str = "json_schema",
@@ -160,9 +170,10 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         kwargs.pop("response_format", None)  # read by the callers (_generate/_stream)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", None)
         if tools is not None:
             tools = [t if isinstance(t, dict) and "function" in t else format_tools([t])[0] for t in tools]
-        plan = tool_plan(tools, tool_choice)
+        plan = tool_plan(tools, tool_choice, parallel)
         prompt = self.rag.chat_prompt(*chat_inputs(self.rag.tokenizer, to_chat_dicts(messages),
                                                    tools if tool_choice != "none" else None))
         opts = self._call_options(stop, kwargs)
@@ -174,15 +185,15 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         if plan.forced:
             from kvboost_rag.constrained import generate_tool_call
 
-            return generate_tool_call(self.rag, prompt, plan.tools, plan.name, **opts)
+            return generate_tool_call(self.rag, prompt, plan.tools, plan.name, calls=plan.calls, **opts)
         result = self.rag.generate(prompt, **opts)
         return result, result.text
 
-    def _message(self, text: str, tools: bool, result: GenerationResult | None,
+    def _message(self, text: str, plan: ToolPlan | None, result: GenerationResult | None,
                  stats: dict[str, Any]) -> AIMessage:
-        if not tools:
+        if plan is None:
             return AIMessage(content=text, usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
-        content, calls, invalid = parse_tool_calls(text)
+        content, calls, invalid = parse_tool_calls(text, plan.keep_all)
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                          usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
 
@@ -208,7 +219,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
             result = self.rag.generate(prompt, **opts)
             text = result.text
         # The call's own result and stats (not last_stats): several calls may run at once (abatch).
-        message = self._message(text, plan is not None, result, result.stats)
+        message = self._message(text, plan, result, result.stats)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.model_name})
 
@@ -217,9 +228,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         return await run_in_executor(None, self._generate, messages, stop,
                                      run_manager.get_sync() if run_manager else None, **kwargs)
 
-    def _tool_chunk(self, reply: tuple[GenerationResult, str]) -> ChatGenerationChunk:
+    def _tool_chunk(self, reply: tuple[GenerationResult, str], plan: ToolPlan) -> ChatGenerationChunk:
         result, text = reply
-        msg = self._message(text, True, result, result.stats)
+        msg = self._message(text, plan, result, result.stats)
         chunks = [{"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
                    "type": "tool_call_chunk"} for i, c in enumerate(msg.tool_calls)]
         return ChatGenerationChunk(message=AIMessageChunk(
@@ -243,7 +254,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                                                              chunk_position="last"))
             return
         if plan is not None:  # tool calls are parsed from the whole reply: one chunk
-            yield self._tool_chunk(self._tool_reply(prompt, opts, plan))
+            yield self._tool_chunk(self._tool_reply(prompt, opts, plan), plan)
             return
         done: dict[str, Any] = {}
         for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
@@ -264,7 +275,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
                                                              chunk_position="last"))
             return
         if plan is not None:
-            yield self._tool_chunk(await run_in_executor(None, self._tool_reply, prompt, opts, plan))
+            yield self._tool_chunk(await run_in_executor(None, self._tool_reply, prompt, opts, plan), plan)
             return
         done: dict[str, Any] = {}
         async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):

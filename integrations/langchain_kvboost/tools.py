@@ -9,6 +9,13 @@ With ``tool_choice="auto"`` the model decides and writes freely: malformed JSON 
 ``invalid_tool_calls``. A forced choice ("any"/"required"/True or a tool's name) is decoded under a grammar
 (:func:`kvboost_rag.constrained.generate_tool_call`), so the call parses. A template without a tools section
 gets the tools in the system message (:func:`kvboost_rag.toolcalls.messages_with_tools`).
+
+``parallel_tool_calls`` (bind_tools or a call keyword, as langchain-openai takes it): True lets a forced reply
+hold 1..MAX_PARALLEL_CALLS (8) calls, the model choosing how many; False means one call, forced or free (a free
+reply keeps its first). The default (None) is not OpenAI's (parallel allowed): it keeps the behaviour from before
+parallel calls, one forced call and every call of a free reply, because SmolLM2-135M, forced with parallel calls
+allowed, repeated the call on single-question prompts (two or more calls on 6 of 7 measured, e.g. Paris in
+celsius then in fahrenheit; twice the reminder), which a tool with side effects would run twice.
 """
 
 from __future__ import annotations
@@ -21,20 +28,23 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
-from kvboost_rag.toolcalls import parse_tool_call_blocks
+from kvboost_rag.toolcalls import first_call_only, max_calls, parse_tool_call_blocks
 
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    """(text outside the tool-call blocks, parsed calls, blocks that are not a valid call)."""
+def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+    """(text outside the tool-call blocks, parsed calls, blocks that are not a valid call); without
+    ``parallel``, the first valid call alone (:func:`kvboost_rag.toolcalls.first_call_only`)."""
     content, blocks = parse_tool_call_blocks(text)
     calls = [ToolCall(name=b.name, args=b.args, id=_call_id(), type="tool_call")
              for b in blocks if b.error is None and b.name is not None and b.args is not None]
     invalid = [InvalidToolCall(name=None, args=b.body, id=_call_id(), error=b.error, type="invalid_tool_call")
                for b in blocks if b.error is not None]
+    if not parallel:
+        calls, invalid = first_call_only(calls, invalid)
     return content, calls, invalid
 
 
@@ -75,18 +85,40 @@ def tool_choice_names(tool_choice: Any, tools: list[dict[str, Any]]) -> str | No
 @dataclass(frozen=True)
 class ToolPlan:
     """How a call with bound tools is made: ``forced`` (constrained to a call of ``name``, or of any of
-    ``tools`` when ``name`` is None) or free generation, the reply parsed either way."""
+    ``tools`` when ``name`` is None) or free generation, the reply parsed either way; ``parallel``: the
+    call's ``parallel_tool_calls`` (see the module docstring)."""
 
     tools: list[dict[str, Any]]
     forced: bool
     name: str | None = None
+    parallel: bool | None = None
+
+    @property
+    def calls(self) -> int:
+        """How many calls a forced reply may hold: several only when parallel calls are asked for."""
+        return max_calls(self.parallel is True)
+
+    @property
+    def keep_all(self) -> bool:
+        """Whether every parsed call is kept (else the first alone): unless parallel calls are refused."""
+        return self.parallel is not False
 
 
-def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
-    """None without tools (or with ``tool_choice="none"``/False); else the plan ``tool_choice`` calls for."""
+def check_parallel(parallel_tool_calls: Any) -> bool | None:
+    """``parallel_tool_calls`` itself; TypeError unless it is a bool or None."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise TypeError(f"parallel_tool_calls must be a bool or None, got {type(parallel_tool_calls).__name__}")
+    return parallel_tool_calls
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any,
+              parallel_tool_calls: bool | None = None) -> ToolPlan | None:
+    """None without tools (or with ``tool_choice="none"``/False); else the plan ``tool_choice`` and
+    ``parallel_tool_calls`` call for."""
+    parallel = check_parallel(parallel_tool_calls)
     if not tools or tool_choice in ("none", False):
         return None
     name = tool_choice_names(tool_choice, tools)
     forced = name is not None or tool_choice is True or tool_choice in ("any", "required")
-    return ToolPlan(tools=tools, forced=forced, name=name)
+    return ToolPlan(tools=tools, forced=forced, name=name, parallel=parallel)
 

@@ -12,23 +12,29 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.toolcalls import parse_tool_call_blocks, tool_name
+from kvboost_rag.toolcalls import first_call_only, parse_tool_call_blocks, tool_name
 
 _OPEN = "<tool_call>"
 
 
 @dataclass(frozen=True)
 class ToolRequest:
-    """The tools of one chat call and whether a call is forced (of ``name``, or of any tool when None)."""
+    """The tools of one chat call, whether a call is forced (of ``name``, or of any tool when None) and whether
+    the reply may hold several calls (``parallel``: LlamaIndex's ``allow_parallel_tool_calls``)."""
 
     tools: list[dict[str, Any]]
     forced: bool = False
     name: str | None = None
+    parallel: bool = False
 
 
-def tool_request(tools: list[dict[str, Any]] | None, tool_choice: Any = None) -> ToolRequest | None:
+def tool_request(tools: list[dict[str, Any]] | None, tool_choice: Any = None,
+                 parallel: bool = False) -> ToolRequest | None:
     """None without tools. ``tool_choice``: None/"auto" (the model decides), "none" (tools not shown),
-    "required"/"any"/True (a call of any tool), a tool's name or ``{"function": {"name": ...}}`` (that tool)."""
+    "required"/"any"/True (a call of any tool), a tool's name or ``{"function": {"name": ...}}`` (that tool).
+    ``parallel`` (False by default, as ``allow_parallel_tool_calls``): several calls kept, else the first."""
+    if not isinstance(parallel, bool):
+        raise TypeError(f"allow_parallel_tool_calls must be a bool, got {type(parallel).__name__}")
     if not tools:
         return None
     if not isinstance(tools, list):
@@ -36,16 +42,16 @@ def tool_request(tools: list[dict[str, Any]] | None, tool_choice: Any = None) ->
     if tool_choice == "none" or tool_choice is False:
         return None
     if tool_choice is None or tool_choice == "auto":
-        return ToolRequest(tools)
+        return ToolRequest(tools, parallel=parallel)
     if tool_choice is True or tool_choice in ("required", "any"):
-        return ToolRequest(tools, forced=True)
+        return ToolRequest(tools, forced=True, parallel=parallel)
     name = tool_choice
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
     names = [tool_name(t) for t in tools]
     if name not in names:
         raise ValueError(f"tool_choice {tool_choice!r} names none of the tools {names}")
-    return ToolRequest(tools, forced=True, name=str(name))
+    return ToolRequest(tools, forced=True, name=str(name), parallel=parallel)
 
 
 def tool_chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -67,13 +73,16 @@ def tool_chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def with_tool_calls(response: ChatResponse) -> ChatResponse:
+def with_tool_calls(response: ChatResponse, parallel: bool = True) -> ChatResponse:
     """The reply with its valid ``<tool_call>`` blocks moved to ``additional_kwargs["tool_calls"]``
-    (ToolSelections) and malformed ones to ``additional_kwargs["invalid_tool_calls"]``."""
+    (ToolSelections) and malformed ones to ``additional_kwargs["invalid_tool_calls"]``; without ``parallel``
+    the first valid call alone (as llama-index's OpenAI ``force_single_tool_call``)."""
     content, blocks = parse_tool_call_blocks(response.message.content or "")
     calls = [ToolSelection(tool_id=f"call_{uuid.uuid4().hex[:24]}", tool_name=b.name, tool_kwargs=b.args)
              for b in blocks if b.error is None and b.name is not None and b.args is not None]
     invalid = [{"body": b.body, "error": b.error} for b in blocks if b.error is not None]
+    if not parallel:
+        calls, invalid = first_call_only(calls, invalid)
     # a new message, not model_copy: the content lives in the message's blocks
     msg = ChatMessage(role=response.message.role, content=content, additional_kwargs={
         **response.message.additional_kwargs, "tool_calls": calls, "invalid_tool_calls": invalid})
@@ -92,7 +101,7 @@ def _visible(text: str) -> str:
     return text.rstrip()
 
 
-def stream_with_tool_calls(pieces: Iterable[CompletionResponse]) -> Iterator[ChatResponse]:
+def stream_with_tool_calls(pieces: Iterable[CompletionResponse], parallel: bool = True) -> Iterator[ChatResponse]:
     """Chat responses from a completion stream with tools: the text is streamed as it comes (up to the first
     ``<tool_call>``: call blocks are not text), and one last response carries the whole reply parsed, with
     its calls in ``additional_kwargs["tool_calls"]`` (as :func:`with_tool_calls`)."""
@@ -103,6 +112,6 @@ def stream_with_tool_calls(pieces: Iterable[CompletionResponse]) -> Iterator[Cha
         if len(visible) > len(shown):
             delta, shown = visible[len(shown):], visible
             yield ChatResponse(message=ChatMessage(role="assistant", content=shown), delta=delta)
-    final = with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text)))
+    final = with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text)), parallel)
     content = final.message.content or ""
     yield final.model_copy(update={"delta": content[len(shown):] if content.startswith(shown) else ""})

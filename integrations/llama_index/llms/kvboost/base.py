@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvboost_rag.aio import aiter_in_thread, run_blocking
 from kvboost_rag.options import CALL_KEYS, check_call_kwargs, pipeline_options, split_model_kwargs
-from kvboost_rag.toolcalls import chat_inputs, template_renders_tools
+from kvboost_rag.toolcalls import chat_inputs, max_calls, template_renders_tools
 
 _HINT = "pip install 'kvboost-rag[llamaindex]'"
 
@@ -33,6 +33,7 @@ try:
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.llms.function_calling import FunctionCallingLLM
     from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
+    from llama_index.llms.kvboost._structured import StructuredOutput
     from llama_index.llms.kvboost._tools import (
         ToolRequest,
         stream_with_tool_calls,
@@ -94,12 +95,14 @@ def _model_name(engine: KVEngine) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the LLM
-class KVBoostLLM(FunctionCallingLLM, CustomLLM):
+class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
     """A local HuggingFace model behind kvboost: warmed documents' KV is reused wherever they appear in a prompt.
 
     Build it with ``KVBoostLLM.from_model_id(path, **engine_kwargs)`` or ``KVBoostLLM(engine=KVEngine(...))``.
     Warm documents with :meth:`warm_documents` or a :class:`KVWarmer` at the end of an ingestion pipeline; any
     stock query engine then reuses their KV. ``last_stats`` tells how much was reused by the last call.
+    Structured output (``structured_predict`` and its async/streaming variants) is constrained JSON: see
+    :class:`~llama_index.llms.kvboost._structured.StructuredOutput`.
     """
 
     model_name: str = Field(default="kvboost", description="Name reported in the LLM metadata.")
@@ -285,23 +288,6 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
 
         return agen()
 
-    # -- structured output: JSON enforced by constrained decoding ----------------------------------------------
-    def _structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None,
-                            prompt_args: dict[str, Any]) -> Any:
-        from llama_index.llms.kvboost._structured import structured_predict
-
-        return structured_predict(self, output_cls, prompt, llm_kwargs, prompt_args)
-
-    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                           **prompt_args: Any) -> Any:
-        """``output_cls`` from the model, its JSON schema enforced by constrained decoding (llguidance), so the
-        reply always parses (ValueError when ``max_new_tokens`` runs out first)."""
-        return self._structured_predict(output_cls, prompt, llm_kwargs, prompt_args)
-
-    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                  **prompt_args: Any) -> Any:
-        return await run_blocking(self._structured_predict, output_cls, prompt, llm_kwargs, prompt_args)
-
     # -- chat: through the tokenizer's chat template (tools: see _tools) ---------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
         if not self._template_chat:
@@ -320,7 +306,8 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
                    ) -> tuple[str, dict[str, Any], ToolRequest | None]:
         """(prompt, per-call options, the tools and whether a call is forced) of one chat call."""
         kwargs = dict(kwargs)
-        req = tool_request(kwargs.pop("tools", None), kwargs.pop("tool_choice", None))
+        req = tool_request(kwargs.pop("tools", None), kwargs.pop("tool_choice", None),
+                           kwargs.pop("parallel_tool_calls", False))
         prompt = self._chat_prompt(messages, req.tools if req else None)
         return prompt, self._chat_kwargs(prompt, kwargs), req
 
@@ -330,8 +317,10 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
 
         call_kw = self._call_kwargs(call_kw)
         call_kw.pop("stop", None)  # a stop string would cut the call short
-        res, text = generate_tool_call(self._rag, prompt, req.tools, req.name, **call_kw)
-        return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=self._raw(res)))
+        res, text = generate_tool_call(self._rag, prompt, req.tools, req.name, calls=max_calls(req.parallel),
+                                       **call_kw)
+        return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=self._raw(res)),
+                               req.parallel)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
@@ -340,7 +329,7 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
         if req is not None and req.forced:
             return self._forced(prompt, call_kw, req)
         resp = completion_response_to_chat_response(self._complete(prompt, True, call_kw))
-        return with_tool_calls(resp) if req is not None else resp
+        return with_tool_calls(resp, req.parallel) if req is not None else resp
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         from llama_index.core.base.llms.generic_utils import stream_completion_response_to_chat_response
@@ -351,7 +340,7 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
         if req.forced:  # a forced call is no text: one response, with the call (generated when iterated)
             self._call_kwargs(call_kw)  # validated now, before the caller iterates
             return (self._forced(prompt, call_kw, req) for _ in range(1))
-        return stream_with_tool_calls(self._stream(prompt, True, call_kw))
+        return stream_with_tool_calls(self._stream(prompt, True, call_kw), req.parallel)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -382,7 +371,8 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
                                  tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
         """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``; a
         template without a tools section gets them in the system message). ``tool_required`` (or
-        ``tool_choice`` "required"/a tool's name) constrains the reply to a valid call by grammar."""
+        ``tool_choice`` "required"/a tool's name) constrains the reply to valid calls by grammar: 1..8 of them
+        with ``allow_parallel_tool_calls``, else one (free replies keep their first call, as OpenAI's)."""
         if not self._template_chat:
             raise ValueError("function calling needs the tokenizer's chat template; this KVBoostLLM has "
                              "messages_to_prompt")
@@ -392,16 +382,18 @@ class KVBoostLLM(FunctionCallingLLM, CustomLLM):
         schemas = [t.metadata.to_openai_tool() for t in tools]
         if tool_choice is None and tool_required:
             tool_choice = "required"
-        tool_request(schemas, tool_choice)  # a bad tool_choice fails here
-        return {"messages": messages, "tools": schemas, "tool_choice": tool_choice, **kwargs}
+        tool_request(schemas, tool_choice, allow_parallel_tool_calls)  # a bad tool_choice fails here
+        return {"messages": messages, "tools": schemas, "tool_choice": tool_choice,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
-                                     **kwargs: Any) -> list[Any]:
-        """The reply's ``<tool_call>`` blocks as ToolSelections (ValueError when there is none, if asked)."""
-        calls = response.message.additional_kwargs.get("tool_calls") or []
+                                     allow_parallel_tool_calls: bool = True, **kwargs: Any) -> list[Any]:
+        """The reply's ``<tool_call>`` blocks as ToolSelections (ValueError when there is none, if asked); the
+        first alone with ``allow_parallel_tool_calls=False`` (a chat that disallowed them kept one already)."""
+        calls = list(response.message.additional_kwargs.get("tool_calls") or [])
         if not calls and error_on_no_tool_call:
             raise ValueError(f"expected at least one tool call in the reply, got {response.message.content!r}")
-        return list(calls)
+        return calls if allow_parallel_tool_calls else calls[:1]
 
 
 __all__ = ["KVBoostLLM", "registry_key", "render_node"]
