@@ -22,11 +22,14 @@ Design choices, and why:
   small for the thread count: at 2 threads a row alone got other bits than in a batch). Why and what was measured:
   kvboost_core/invariant.py. Checked end to end in tests/test_server_determinism.py (a request alone vs
   after others vs in a batch, bitwise, at 1 and 2 threads). Quantized linear subclasses are left as they are
-  (not covered).
+  (not covered). ``deterministic=False`` turns both off for raw speed: one batched call per linear and per
+  attention, so a row's last bits (and, rarely, a greedy token) may then depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,9 +135,10 @@ class _BatchCache:
 
 
 class BatchedDecoder:
-    """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step."""
+    """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step.
+    ``deterministic`` (default): a request's logits do not depend on its neighbours, to the last bit."""
 
-    def __init__(self, adapter: ModelAdapter, max_batch: int) -> None:
+    def __init__(self, adapter: ModelAdapter, max_batch: int, *, deterministic: bool = True) -> None:
         if not adapter.layerwise:
             raise ValueError("batched decode needs a layer-wise model adapter (a Llama-like RoPE family); this "
                              "model runs through HF's own forward (prefix-only reuse)")
@@ -144,8 +148,11 @@ class BatchedDecoder:
                              "without one or generate through KVEngine.generate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
         self.adapter = adapter
         self.max_batch = max_batch
+        self.deterministic = deterministic
         self._slots: list[BatchSlot] = []
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -256,7 +263,7 @@ class BatchedDecoder:
         cos_sin = a.inner.rotary_emb(hidden, position_ids=pos.view(n, 1))
         cache = _BatchCache(self._keys, self._values, torch.arange(n, device=dev), pos, length)
         masks = self._masks(pos, length)
-        with row_tiled(self._linears), rowwise_attention(a.model.config, lengths):
+        with self._invariant(lengths):
             for layer in range(a.num_layers):
                 out = a.inner.layers[layer](hidden, attention_mask=masks[a.windows[layer]],
                                             position_embeddings=cos_sin, position_ids=pos.view(n, 1), cache=cache,
@@ -268,6 +275,16 @@ class BatchedDecoder:
             s.length += 1
             result[s] = logits[i]
         return result
+
+    @contextlib.contextmanager
+    def _invariant(self, lengths: list[int]) -> Iterator[None]:
+        """The batch-invariant kernels for a step whose rows attend to ``lengths`` keys (nothing when not
+        ``deterministic``)."""
+        if not self.deterministic:
+            yield
+            return
+        with row_tiled(self._linears), rowwise_attention(self.adapter.model.config, lengths):
+            yield
 
     def _masks(self, pos: torch.Tensor, length: int) -> dict[int | None, torch.Tensor]:
         """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding."""
