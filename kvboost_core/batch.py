@@ -3,8 +3,8 @@
 Each request is prefilled on its own (with reuse and repair, see ``engine._prefill``); its assembled KV is then
 copied once into a row of a shared ``(rows, H_kv, T, D)`` buffer per layer and the request decodes with the
 others, one token per request per step, until it leaves. Requests have different lengths: row ``i`` attends to
-slots ``[0, pos_i]`` only, through an explicit mask, so padding is never attended and a request's logits do not
-depend on its neighbours (up to the summation order of batched matmuls; see tests/test_server_batch.py).
+slots ``[0, pos_i]`` only, so padding is never attended, and a request's logits do not depend on its
+neighbours, to the last bit (see "Batch invariance" below).
 
 Design choices, and why:
 
@@ -15,16 +15,15 @@ Design choices, and why:
   step reads ``buf[:n, :, :L]``, a view, never a gather.
 - The buffer grows (doubling, re-allocated and copied) when the longest active request outgrows it: memory
   follows the longest active request's current length, not its token limit or the model's context.
-- Batch invariance: a request's tokens must not depend on who shares its steps. Attention is per row already;
-  the linear layers are not: BLAS picks its kernel, and so the summation order, by the number of rows (on
-  CPU fp32 a row's output differs in the last bits between 1, 2..8 and 16 rows). During a step every plain
-  ``nn.Linear`` of the decoder (and the LM head) therefore runs on tiles of exactly ``ROW_TILE`` rows, the
-  last one zero-padded; with a fixed tile a row's result depends on nothing but the row. Attention reads
-  the buffers up to the longest row, and the fused attention kernel's result for a row changes with that
-  length within its last key block (torch's CPU flash kernel splits keys in blocks of 512): the length read
-  is rounded up to a multiple of ``ATTN_QUANTUM``, after which the masked blocks past a row add exact zeros.
-  Both are checked end to end in tests/test_server_determinism.py (a request alone vs in a batch, bitwise).
-  Quantized linear subclasses are left as they are (not covered).
+- Batch invariance: a request's tokens must not depend on who shares its steps. Torch's CPU kernels pick
+  their summation order by the shape of the whole call, so during a step every plain ``nn.Linear`` of the
+  decoder (and the LM head) runs on fixed tiles of ``ROW_TILE`` rows, and attention runs once per row on the
+  row's own keys ``[0, pos_i]`` (the fused attention kernel splits its work differently when the batch is
+  small for the thread count: at 2 threads a row alone got other bits than in a batch). Why and what was measured:
+  kvboost_core/invariant.py. Checked end to end in tests/test_server_determinism.py (a request alone vs
+  after others vs in a batch, bitwise, at 1 and 2 threads). Quantized linear subclasses are left as they are
+  (not covered). ``deterministic=False`` turns both off for raw speed: one batched call per linear and per
+  attention, so a row's last bits (and, rarely, a greedy token) may then depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -35,40 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvboost_core.adapters import ModelAdapter
+from kvboost_core.invariant import row_tiled, rowwise_attention
 from kvboost_core.results import PrefillResult
 
 _HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
-ROW_TILE = 8  # decode linears run on tiles of exactly this many rows (see "Batch invariance" above)
-ATTN_QUANTUM = 512  # the attended length is a multiple of this (the CPU flash-attention kernel's key block)
-
-
-def _tiled_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` computed ``ROW_TILE`` rows at a time (the last tile zero-padded): the same BLAS call, so
-    the same summation order, for a row whatever the number of rows beside it."""
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    pad = -n % ROW_TILE
-    if pad:
-        flat = torch.cat((flat, flat.new_zeros(pad, flat.shape[1])))
-    out = torch.cat([F.linear(flat[i:i + ROW_TILE], module.weight, module.bias)
-                     for i in range(0, n + pad, ROW_TILE)])
-    return out[:n].view(*x.shape[:-1], out.shape[-1])
-
-
-@contextlib.contextmanager
-def row_tiled(modules: list[torch.nn.Linear]) -> Iterator[None]:
-    """Within the block, ``modules`` compute on row tiles (an instance attribute shadows ``forward``; removed
-    on exit, so nothing outside the block changes)."""
-    for m in modules:
-        m.__dict__["forward"] = _tiled_linear.__get__(m)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.__dict__.pop("forward", None)
 
 
 @dataclass(slots=True, eq=False)
@@ -164,9 +135,10 @@ class _BatchCache:
 
 
 class BatchedDecoder:
-    """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step."""
+    """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step.
+    ``deterministic`` (default): a request's logits do not depend on its neighbours, to the last bit."""
 
-    def __init__(self, adapter: ModelAdapter, max_batch: int) -> None:
+    def __init__(self, adapter: ModelAdapter, max_batch: int, *, deterministic: bool = True) -> None:
         if not adapter.layerwise:
             raise ValueError("batched decode needs a layer-wise model adapter (a Llama-like RoPE family); this "
                              "model runs through HF's own forward (prefix-only reuse)")
@@ -176,8 +148,11 @@ class BatchedDecoder:
                              "without one or generate through KVEngine.generate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
         self.adapter = adapter
         self.max_batch = max_batch
+        self.deterministic = deterministic
         self._slots: list[BatchSlot] = []
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -279,8 +254,8 @@ class BatchedDecoder:
         a = self.adapter
         n = len(self._slots)
         dev = a.device
-        longest = max(s.length for s in self._slots) + 1
-        length = -(-longest // ATTN_QUANTUM) * ATTN_QUANTUM  # rows past their own length see masked zeros
+        lengths = [s.length + 1 for s in self._slots]  # each row attends to its prompt, tokens and this token
+        length = max(lengths)
         self._ensure(length)
         ids = torch.tensor([tokens[s] for s in self._slots], device=dev).view(n, 1)
         pos = torch.tensor([s.length for s in self._slots], device=dev)
@@ -288,7 +263,7 @@ class BatchedDecoder:
         cos_sin = a.inner.rotary_emb(hidden, position_ids=pos.view(n, 1))
         cache = _BatchCache(self._keys, self._values, torch.arange(n, device=dev), pos, length)
         masks = self._masks(pos, length)
-        with row_tiled(self._linears):
+        with self._invariant(lengths):
             for layer in range(a.num_layers):
                 out = a.inner.layers[layer](hidden, attention_mask=masks[a.windows[layer]],
                                             position_embeddings=cos_sin, position_ids=pos.view(n, 1), cache=cache,
@@ -300,6 +275,16 @@ class BatchedDecoder:
             s.length += 1
             result[s] = logits[i]
         return result
+
+    @contextlib.contextmanager
+    def _invariant(self, lengths: list[int]) -> Iterator[None]:
+        """The batch-invariant kernels for a step whose rows attend to ``lengths`` keys (nothing when not
+        ``deterministic``)."""
+        if not self.deterministic:
+            yield
+            return
+        with row_tiled(self._linears), rowwise_attention(self.adapter.model.config, lengths):
+            yield
 
     def _masks(self, pos: torch.Tensor, length: int) -> dict[int | None, torch.Tensor]:
         """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding."""

@@ -74,10 +74,10 @@ def make_tiny_model(arch: str = "llama", *, vocab_size: int = 400, layers: int =
 
     spec = dict(ARCH_CONFIGS[arch])
     model_type = spec.pop("model_type")
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     cfg = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False, **{**spec, **overrides})
+        model_type, vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=max_positions,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False, **{**sizes, **spec, **overrides})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")

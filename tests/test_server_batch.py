@@ -1,5 +1,6 @@
 """Batched decode (kvboost_core.batch): requests of different lengths, joining and leaving mid-batch, give the
-same greedy tokens as the engine's own one-request decode loop."""
+same greedy tokens as the engine's own one-request decode loop, with the batch-invariant kernels
+(``deterministic``, the default) and without them."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _prompts() -> list[list[Segment]]:
     return out
 
 
-def _batched(engine: KVEngine, prompts, n_new: list[int], arrivals: list[int], max_batch: int) -> list[list[int]]:
+def _batched(engine: KVEngine, prompts, n_new: list[int], arrivals: list[int], max_batch: int,
+             deterministic: bool = True) -> list[list[int]]:
     """Greedy decode with the batch; request i joins at step arrivals[i] (when a row is free) and leaves at EOS
     or after n_new[i] tokens, as engine.generate does."""
-    dec = BatchedDecoder(engine.adapter, max_batch)
+    dec = BatchedDecoder(engine.adapter, max_batch, deterministic=deterministic)
     outs: list[list[int]] = [[] for _ in prompts]
     live: dict = {}  # slot -> (request index, next token)
     waiting = list(range(len(prompts)))
@@ -55,15 +57,16 @@ def _batched(engine: KVEngine, prompts, n_new: list[int], arrivals: list[int], m
     return outs
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_batched_greedy_equals_unbatched(tokenizer, arch):
+def test_batched_greedy_equals_unbatched(tokenizer, arch, deterministic):
     torch.manual_seed(0)
     engine = KVEngine(make_tiny_model(arch), tokenizer, sink_tokens=4)
     engine.warm(CORPUS[:5])
     prompts = _prompts()
     n_new = [12, 5, 20, 9, 16, 7]
     ref = [engine.generate(p, max_new_tokens=n, store_prefix=False).token_ids for p, n in zip(prompts, n_new)]
-    got = _batched(engine, prompts, n_new, arrivals=[0, 0, 3, 4, 4, 10], max_batch=4)
+    got = _batched(engine, prompts, n_new, arrivals=[0, 0, 3, 4, 4, 10], max_batch=4, deterministic=deterministic)
     assert got == ref
     assert len({len(engine.tokenize_ids(p)) for p in prompts}) > 2  # the rows really had different lengths
 
@@ -75,6 +78,8 @@ def test_batch_of_one_and_validation(tokenizer, tiny_llama):
     assert _batched(engine, [prompt], [6], [0], max_batch=1) == [ref]
     with pytest.raises(ValueError, match="max_batch"):
         BatchedDecoder(engine.adapter, 0)
+    with pytest.raises(TypeError, match="deterministic"):
+        BatchedDecoder(engine.adapter, 1, deterministic=1)  # type: ignore[arg-type]
     dec = BatchedDecoder(engine.adapter, 1)
     pre = prefill(engine, prompt, store_prefix=False)
     n = len(pre.result.token_ids)

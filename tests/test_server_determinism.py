@@ -6,8 +6,10 @@ survive most last-bit differences, which is why they went unnoticed).
 What broke it before (kvboost_core.batch, kvboost_core.canonical): (1) the positions a prefill computes
 depended on which prefix entries earlier requests had stored, and a position's KV changes in its last bits with
 how many positions are computed with it; (2) in a batched decode step the linear layers' BLAS kernel, and the
-attention kernel's key blocking, changed with the number of rows and the longest row. (1) shows on the real
-model (SmolLM2-135M-Instruct, skipped where absent), (2) on it and on the embedded demo model.
+attention kernel's key blocking, changed with the number of rows and the longest row; (3) at 2 threads the
+fused attention kernel split a lone row's keys across the threads but not a row's in a batch
+(kvboost_core.invariant). (1) shows on the real model (SmolLM2-135M-Instruct, skipped where absent), (2) on it
+and on the embedded demo model, (3) on the real model at 2 threads: each test runs at 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from kvboost_rag.app.server import scheduler as sched_mod
 from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
 
 NEW = 10
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
+def threads(request: pytest.FixtureRequest) -> Any:
+    """Torch's intra-op threads for the test (its kernels choose how to split work by this number); restored
+    after. The scheduler's threads start within the test, so they take the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 class Recorder:
@@ -117,7 +129,7 @@ def _rag_chat(docs: list[str], question: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.skipif(not zoo.available("smollm2-135m-instruct"), reason="smollm2-135m-instruct is not installed")
-def test_real_model_rag_chat_is_history_and_batch_independent(monkeypatch):
+def test_real_model_rag_chat_is_history_and_batch_independent(monkeypatch, threads):
     loaded = KVBoostRAG.from_model_id("smollm2-135m-instruct", device="cpu").engine
     records = [d["text"] for d in dd.load_corpus()]
     docs = [" ".join(records[i:i + 3]) for i in range(0, 15, 3)]
@@ -130,7 +142,7 @@ def test_real_model_rag_chat_is_history_and_batch_independent(monkeypatch):
 
 @pytest.mark.skipif(not dd.demo_model_available(), reason="the embedded demo model is missing")
 @pytest.mark.parametrize("prefill_chunk", [None, 64])
-def test_demo_model_completion_is_history_and_batch_independent(monkeypatch, prefill_chunk):
+def test_demo_model_completion_is_history_and_batch_independent(monkeypatch, prefill_chunk, threads):
     from kvboost_rag.app.loading import load_engine
 
     eng = load_engine("demo").engine

@@ -38,7 +38,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": state.model_name, "running": state.scheduler.running,
-                "queued": state.scheduler.queue_depth}
+                "queued": state.scheduler.queue_depth, "deterministic": state.scheduler.decoder.deterministic}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -88,7 +88,8 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
     state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
                           step_delay=args.debug_step_delay, aliases=aliases,
-                          prefill_chunk=getattr(args, "prefill_chunk", 0) or None)
+                          prefill_chunk=getattr(args, "prefill_chunk", 0) or None,
+                          deterministic=getattr(args, "deterministic", True))
     state.default_temperature = args.default_temperature
     if replica is not None:
         from kvboost_rag.app.server.catalogue import for_store

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked prefill: a long prompt's head is computed about this many tokens per scheduler "
                         "iteration, between the running requests' decode steps (default 512; 0: whole prompts). "
                         "Outputs do not depend on it")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request's output does not depend on the requests batched with it, to the last bit of "
+                        "its logits (default); --no-deterministic runs each decode step as plain batched calls, "
+                        "faster at large batches (see README, Serving)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature when a request gives none (OpenAI's default is 1.0; 0 is greedy)")
@@ -71,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"the server needs its extra: pip install 'kvboost-rag[serve]' ({exc})") from None
     app, host = build(args)
     print(f"kvboost-rag serve: {app.state.kv.model_name} on http://{host}:{args.port}/v1 "
-          f"(max batch {args.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+          f"(max batch {args.max_batch}, queue {args.max_queue}"
+          f"{'' if args.deterministic else ', not deterministic'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=args.port, log_level="warning", access_log=args.access_log)
     return 0
 

@@ -28,6 +28,14 @@ REPLICA_HEADER = "x-kvboost-replica"
 _ARG_TYPES = (str, int, float, bool, type(None))
 
 
+def replica_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``serve`` arguments each replica rebuilds its server from: every plain value (model, batch,
+    ``deterministic``, ...); the rest (none today) cannot travel to a Ray actor."""
+    if not isinstance(args, argparse.Namespace):
+        raise TypeError(f"args must be an argparse.Namespace, got {type(args).__name__}")
+    return {k: v for k, v in vars(args).items() if isinstance(v, _ARG_TYPES)}
+
+
 def _import_serve() -> Any:
     try:
         import ray  # noqa: F401
@@ -140,7 +148,7 @@ def deploy(args: argparse.Namespace, keys: dict[str, str] | None, host: str) -> 
     """Run ``--replicas`` replicas of the server on the connected cluster; returns the base URL once every
     replica has built its server."""
     serve = _import_serve()
-    params = {k: v for k, v in vars(args).items() if isinstance(v, _ARG_TYPES)}
+    params = replica_params(args)
     replicas = args.replicas or 1
     options: dict[str, Any] = {"name": "KVBoostServer", "num_replicas": replicas}
     # Serve's own cap on requests in flight per replica (5 by default in recent Ray) would keep the batch

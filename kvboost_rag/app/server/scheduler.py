@@ -7,7 +7,8 @@ re-placed document, e.g. all of a long cold prompt but its last chunk) is comput
 tokens per iteration, and the rest in one more, so the running requests wait for one piece between two tokens,
 not for a whole prefill. Pieces are whole canonical chunks (kvboost_core.canonical), so splitting changes no
 bit of any output. ``prefill_chunk=None`` prefills a prompt in one iteration. A request leaves at
-EOS, at a stop string, at its token limit, or when its client goes away (``cancel``).
+EOS, at a stop string, at its token limit, or when its client goes away (``cancel``). ``deterministic``
+(``--deterministic``, default) keeps a request's logits independent of the batch (kvboost_core.batch).
 
 All model work happens on this one thread, so the engines (one per namespace, sharing the model) are never
 driven concurrently. Requests talk to their HTTP handler through ``emit(kind, payload)``, which the handler
@@ -74,7 +75,7 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
-                 step_delay: float = 0.0, prefill_chunk: int | None = None) -> None:
+                 step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -82,7 +83,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
-        self.decoder = BatchedDecoder(adapter, max_batch)
+        self.decoder = BatchedDecoder(adapter, max_batch, deterministic=deterministic)
         self.max_queue = max_queue
         self.metrics = metrics
         self.step_delay = step_delay  # tests only: slows decode so backpressure can be observed deterministically

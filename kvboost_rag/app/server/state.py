@@ -77,11 +77,12 @@ def namespaced_store(spec: Any, namespace: str) -> Any:
 
 def default_state(rag: Any, model_name: str, *, keys: dict[str, str] | None = None, max_batch: int = 8,
                   max_queue: int = 64, request_timeout: float = 300.0, step_delay: float = 0.0,
-                  aliases: tuple[str, ...] = (), prefill_chunk: int | None = None) -> ServerState:
+                  aliases: tuple[str, ...] = (), prefill_chunk: int | None = None,
+                  deterministic: bool = True) -> ServerState:
     metrics = Metrics()
     keyring = KeyRing(keys)
     scheduler = Scheduler(rag.engine.adapter, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
-                          step_delay=step_delay, prefill_chunk=prefill_chunk)
+                          step_delay=step_delay, prefill_chunk=prefill_chunk, deterministic=deterministic)
     state = ServerState(rag, model_name, scheduler, keyring, metrics, request_timeout=request_timeout,
                         model_aliases=frozenset(aliases))
     scheduler.start()
