@@ -42,7 +42,8 @@ test: install redis-server kernels
 	KVBOOST_DISABLE_EXT=1 $(BIN)/python -m pytest -q --timeout=900 tests/test_engine_reuse.py \
 	  tests/test_cacheblend.py tests/test_fidelity_stories.py tests/test_quant_fidelity.py tests/test_kernels.py
 
-# langchain-tests' integration suite on SmolLM2-135M-Instruct, tool calling and structured output on (~10 min)
+# langchain-tests' integration suite on SmolLM2-135M-Instruct, tool calling and structured output on (12-14 min);
+# `make test` runs its CI_SLICE (tests/test_langchain_standard.py)
 test-real: install
 	KVBOOST_REAL_SUITES=1 $(BIN)/python -m pytest -q -ra --timeout=1800 tests/test_langchain_standard.py -k Real
 

@@ -153,9 +153,28 @@ _XFAIL_ARGS = ("measured: the grammar makes the forced call valid (name magic_fu
                "SmolLM2-135M fills input=100, not the 3 of 'magic_function(3)'")
 
 
-@pytest.mark.skipif(os.environ.get("KVBOOST_REAL_SUITES") != "1",
-                    reason="the real-model integration suite takes ~10 min on 2 CPU cores; `make test-real` runs it "
-                           "(KVBOOST_REAL_SUITES=1)")
+# `make test` (CI) runs a slice of the real-model integration suite: the tool-calling and structured-output tests
+# the suite's tool/structured flags turn on, one of each kind (~2-4 min on 2 cores). `make test-real`
+# (KVBOOST_REAL_SUITES=1) runs all of it (~12-14 min: every structured variant, async, streaming, the strict
+# xfails below).
+CI_SLICE = frozenset({
+    "test_tool_choice",
+    "test_tool_calling_with_no_arguments",
+    "test_tool_message_histories_string_content",
+    "test_structured_output[json_schema]",
+})
+
+
+@pytest.fixture(autouse=True)
+def _real_suite_gate(request: pytest.FixtureRequest) -> None:
+    cls = getattr(request, "cls", None)
+    if cls is None or cls.__name__ != "TestRealChatKVBoostIntegration":
+        return
+    if os.environ.get("KVBOOST_REAL_SUITES") != "1" and request.node.name not in CI_SLICE:
+        pytest.skip("outside the CI slice of the real-model integration suite (~12-14 min on 2 CPU cores in "
+                    "all); `make test-real` runs it (KVBOOST_REAL_SUITES=1)")
+
+
 class TestRealChatKVBoostIntegration(_RealParams, ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(reason=_XFAIL_ARGS, strict=True)
