@@ -3,8 +3,10 @@
 The hand-written ``tune`` split has 32 documents and 64 questions: a reader adapter trained on it sees the same
 few documents in every chat. This module writes as many encyclopedic documents as asked, from templates with
 random invented names, numbers and sentence order, in six kinds (towns, rivers, ships, painters, companies,
-festivals), each with questions about its key facts (names and numbers drawn so that no two documents share
-one; decorative sentences may repeat goods and colours).
+festivals), each with two questions about its facts. Entity names are unique, so a question (it names its
+entity) has one right document; its answer string need not be unique: goods, foods and some numbers recur
+across documents (62 of 480 answers at 240 documents appear in more than one), which keeps distractors
+confusable as a real retriever's are.
 Distillation needs prompts, not gold answers (the teacher is the base model's own full-prefill answer), but the
 questions carry gold answers anyway so the set can also be scored.
 
@@ -189,7 +191,7 @@ KINDS: dict[str, _Kind] = {"town": _town, "river": _river, "ship": _ship, "paint
 
 
 def synthetic_corpus(n_docs: int, seed: int = 0) -> RagCorpus:
-    """``n_docs`` documents (kinds cycled) with 2 questions each; answers unique within the corpus."""
+    """``n_docs`` documents (kinds cycled, entity names unique) with 2 questions each."""
     if isinstance(n_docs, bool) or not isinstance(n_docs, int) or n_docs < 1:
         raise ValueError(f"n_docs must be an int >= 1, got {n_docs!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
