@@ -44,6 +44,8 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvboost_rag.json_schema import closed_schema
+
 if TYPE_CHECKING:
     from kvboost_core.results import GenerationResult
 
@@ -64,20 +66,6 @@ def _ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
             cached = (n_vocab, llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab))
             _TOKENIZERS[key] = cached
         return cached[1]
-
-
-def closed_schema(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object that lists properties and does not
-    say otherwise: JSON-schema's default lets a model add keys until the token budget runs out, and pydantic
-    schemas never say it."""
-    if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_schema(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvboost_rag.json_schema import closed_schema
+
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -127,8 +129,6 @@ def tool_calls_grammar(tools: list[dict[str, Any]], name: str | None = None,
     many: after each closed block it may end (EOS) or open the next one; after ``calls`` blocks it must end."""
     if isinstance(calls, bool) or not isinstance(calls, int) or not 1 <= calls <= MAX_PARALLEL_CALLS:
         raise ValueError(f"calls must be an int in 1..{MAX_PARALLEL_CALLS}, got {calls!r}")
-    from kvboost_rag.constrained import closed_schema
-
     schema = {**closed_schema(tool_call_schema(tools, name)), "x-guidance": {"whitespace_flexible": False}}
     between = json.dumps(TOOL_CALL_END + CALL_SEPARATOR + TOOL_CALL_START)
     return (f"start: call ({between} call){{0,{calls - 1}}} {json.dumps(TOOL_CALL_END)}?\n"
