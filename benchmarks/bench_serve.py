@@ -244,8 +244,9 @@ def run_server_levels(model: str, args: argparse.Namespace, max_batch: int, docs
 
     threads = ["--threads", str(args.threads)] if args.threads else []
     chunk = ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
+    det = ["--no-deterministic"] if args.no_deterministic else []
     with running_server(tmp, "--model", model, "--served-model-name", "bench", "--max-batch", str(max_batch),
-                        "--max-queue", "256", *threads, *chunk, start_timeout=300) as srv:
+                        "--max-queue", "256", *threads, *chunk, *det, start_timeout=300) as srv:
         r = httpx.post(srv.v1 + "/documents", json={"documents": docs}, timeout=1200)
         r.raise_for_status()
         warm = r.json()
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the servers' --prefill-chunk (default: theirs; 0: whole prompts, no chunked prefill)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-deterministic", action="store_true",
+                   help="serve with --no-deterministic (plain batched decode; the baseline of what determinism costs)")
     p.add_argument("--decode-micro", action="store_true", help="also time batched decode steps in process")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -310,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"model {model}; load average {load[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     result: dict[str, Any] = {"model": model, "load_average_start": load, "cpus": os.cpu_count(),
-                              "max_tokens": args.max_tokens}
+                              "max_tokens": args.max_tokens, "deterministic": not args.no_deterministic}
     with tempfile.TemporaryDirectory() as tmp:
         result["batched"] = run_server_levels(model, args, 8 if max(args.levels) <= 8 else max(args.levels),
                                               docs, requests, Path(tmp))

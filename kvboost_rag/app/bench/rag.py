@@ -50,6 +50,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "q30": {"repair": "cacheblend", "recompute_ratio": 0.3, "query_tokens": 8},
     "q15": {"repair": "cacheblend", "recompute_ratio": 0.15, "query_tokens": 32},
     "m50": {"repair": "cacheblend", "recompute_ratio": 0.1, "recompute_mass": 0.5},
+    "m80": {"repair": "cacheblend", "recompute_ratio": 0.15, "recompute_mass": 0.8},
     # progressive CacheBlend: a second check layer narrows the first one's tokens (pNN-MM@L: NN% up to layer L,
     # MM% above it)
     "p70-30@8": {"repair": "cacheblend", "recompute_ratio": 0.7, "recheck_layer": 8, "recheck_ratio": 0.3},
