@@ -22,19 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "integrations")]
 
 
-def _decoder(engine: Any, pre: Any, batch: int, deterministic: bool, steps: int) -> tuple[Any, list[Any]]:
-    """A decoder holding ``batch`` copies of the prefilled prompt ``pre`` with room for ``steps`` tokens."""
+def _decoder(engine: Any, pres: list[Any], deterministic: bool, steps: int) -> tuple[Any, list[Any]]:
+    """A decoder holding the prefilled prompts ``pres`` (one row each) with room for ``steps`` tokens."""
     from kvboost_core.batch import BatchedDecoder
 
-    n = len(pre.result.token_ids)
     dec = BatchedDecoder(engine.adapter, 8, deterministic=deterministic)
-    slots = [dec.add(pre.result.cache.keys, pre.result.cache.values, n, n + steps + 1) for _ in range(batch)]
+    slots = [dec.add(p.result.cache.keys, p.result.cache.values, len(p.result.token_ids),
+                     len(p.result.token_ids) + steps + 1) for p in pres]
     return dec, slots
 
 
 def step_seconds(engine: Any, pre: Any, batch: int, deterministic: bool, steps: int) -> float:
     """Mean seconds per decode step over ``steps`` steps, after one warm-up step."""
-    dec, slots = _decoder(engine, pre, batch, deterministic, steps)
+    dec, slots = _decoder(engine, [pre] * batch, deterministic, steps)
     dec.step({s: 5 for s in slots})
     t0 = time.perf_counter()
     for _ in range(steps - 1):
@@ -44,12 +44,8 @@ def step_seconds(engine: Any, pre: Any, batch: int, deterministic: bool, steps: 
 
 def alone_vs_batch(engine: Any, pres: list[Any], deterministic: bool) -> float:
     """Largest logit difference of request 0's first decode step, alone vs beside the other prompts."""
-    from kvboost_core.batch import BatchedDecoder
-
     def first_step(group: list[Any]) -> Any:
-        dec = BatchedDecoder(engine.adapter, 8, deterministic=deterministic)
-        slots = [dec.add(p.result.cache.keys, p.result.cache.values, len(p.result.token_ids),
-                         len(p.result.token_ids) + 2) for p in group]
+        dec, slots = _decoder(engine, group, deterministic, 1)
         return dec.step({s: 5 for s in slots})[slots[0]]
 
     return float((first_step(pres[:1]) - first_step(pres)).abs().max())
