@@ -86,6 +86,10 @@ class EngineConfig:
     # A reader adapter directory (``kvboost-rag adapt``): gated LoRA weights the tokens that read re-placed
     # document KV run through (kvboost_core.reader). None: the base model only.
     reader_adapter: str | None = None
+    # A block adapter directory (``kvboost-rag adapt --block``): LoRA weights merged into the model so that
+    # documents served at repair="none" are that adapted model's own (block-attention) prefill
+    # (kvboost_core.block_adapter). None: the base model.
+    block_adapter: str | None = None
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
     store_secret: str | bytes | None = field(default=None, repr=False)
@@ -117,6 +121,11 @@ class EngineConfig:
         validate_namespace(self.namespace)
         if self.reader_adapter is not None and (not isinstance(self.reader_adapter, str) or not self.reader_adapter):
             raise TypeError(f"reader_adapter must be None or a directory path (str), got {self.reader_adapter!r}")
+        if self.block_adapter is not None and (not isinstance(self.block_adapter, str) or not self.block_adapter):
+            raise TypeError(f"block_adapter must be None or a directory path (str), got {self.block_adapter!r}")
+        if self.block_adapter is not None and self.reader_adapter is not None:
+            raise ValueError("block_adapter and reader_adapter cannot be combined: a block adapter already makes "
+                             "re-placed documents the adapted model's own prefill")
         if self.reader_adapter is not None and self.store_repaired:
             raise ValueError("reader_adapter and store_repaired=True cannot be combined: KV computed through the "
                              "adapter must not be served to later prompts as their prefix")

@@ -47,7 +47,7 @@ from kvboost_core.decode import (
     process_and_sample,
 )
 from kvboost_core.forward import Schedule, decode_step, run_forward
-from kvboost_core.keys import content_key, model_fingerprint
+from kvboost_core.keys import Fingerprint, content_key, model_fingerprint
 from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, WarmResult
@@ -111,6 +111,8 @@ class KVEngine:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None, **overrides: Any) -> None:
         if config is None:
+            if overrides.get("block_adapter") and "repair" not in overrides:
+                overrides["repair"] = "none"  # re-placed documents are then the adapted model's own prefill
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.with_(**overrides)
@@ -121,13 +123,16 @@ class KVEngine:
         if self.adapter.no_reuse:  # once per engine: every request then runs as plain HF generation
             warnings.warn(f"kvboost: {self.adapter.no_reuse}", stacklevel=2)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
-        self.fingerprint = model_fingerprint(model, tokenizer)  # of the base model, before any reader adapter
-        self.reader = self._load_reader(config.reader_adapter)
-        self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
-                                 namespace=config.namespace, secret=config.store_secret)
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self._lead = lead_token_ids(tokenizer)
         self._warm_prefix = self._resolve_warm_prefix(config.warm_prefix)
+        # of the base model, before any adapter; a block adapter changes the model, hence the cache keys
+        self.base_fingerprint = model_fingerprint(model, tokenizer)
+        self.fingerprint = self.base_fingerprint
+        self.reader = self._load_reader(config.reader_adapter)
+        self.block = self._load_block(config.block_adapter)
+        self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
+                                 namespace=config.namespace, secret=config.store_secret)
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = self._eos_ids()
@@ -165,11 +170,13 @@ class KVEngine:
 
             shipped = load_defaults(name_or_path)
             # without one, calibrate on the first warmed documents, unless the caller chose the repair setting
-            chosen = {"recompute_ratio", "check_layer", "repair"} & set(config_kwargs)
+            chosen = {"recompute_ratio", "check_layer", "repair", "block_adapter"} & set(config_kwargs)
             off = os.environ.get("KVBOOST_AUTO_CALIBRATE", "").lower() in ("0", "false", "off", "no")
             if not shipped and not chosen and not off:
                 config_kwargs.setdefault("auto_calibrate", True)
             config_kwargs = {**shipped, **config_kwargs}
+            if config_kwargs.get("block_adapter") and "repair" not in config_kwargs:
+                config_kwargs["repair"] = "none"  # re-placed documents are then the adapted model's own prefill
         return cls(model, tokenizer, **config_kwargs)
 
     def _load_reader(self, path: str | None) -> Any:
@@ -184,6 +191,20 @@ class KVEngine:
         self.adapter.reader = reader
         log.info("kvboost: reader adapter loaded from %s (rank %d)", path, reader.meta.rank)
         return reader
+
+    def _load_block(self, path: str | None) -> Any:
+        if path is None:
+            return None
+        if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
+            raise ValueError("block_adapter needs a model whose documents can be re-placed (a supported RoPE "
+                             "family); this one reuses exact prefixes only")
+        from kvboost_core.block_adapter import BlockAdapter, adapted_fingerprint
+
+        block = BlockAdapter.load(self.model, os.path.expanduser(path), self.base_fingerprint, self._warm_prefix)
+        self.fingerprint = Fingerprint(adapted_fingerprint(self.base_fingerprint, block.fingerprint))
+        log.info("kvboost: block adapter loaded from %s (rank %d); documents at repair='none' are block-exact",
+                 path, block.meta.rank)
+        return block
 
     def _resolve_warm_prefix(self, spec: Any) -> tuple[int, ...]:
         if spec == "chat":  # the chat template's head before a user message (see segments.chat_head_text)
@@ -442,8 +463,8 @@ class KVEngine:
             return None  # CacheBlend keeps every candidate: nothing approximate is read
         return approx[-1] + 1
 
-    @staticmethod
-    def _prefill_stats(plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]) -> dict[str, Any]:
+    def _prefill_stats(self, plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]
+                       ) -> dict[str, Any]:
         status = torch.tensor(plan.status, dtype=torch.int8)
         in_final = torch.zeros(len(plan.status), dtype=torch.bool)
         in_final[final.cpu()] = True
@@ -453,9 +474,14 @@ class KVEngine:
         reused_repaired = int(((status == REPAIRED) & ~in_final).sum())  # an earlier repair's approximation
         computed = int((status == FRESH).sum())
         recomputed = total - reused_exact - reused_approx - reused_repaired - computed
-        return {"prompt_tokens": total, "reused_exact": reused_exact, "reused_approx": reused_approx,
-                "reused_repaired": reused_repaired, "recomputed": recomputed, "computed": computed,
-                "reuse_ratio": (reused_exact + reused_approx + reused_repaired) / total, "repair": spec.repair,
+        # Under a block adapter at repair="none", a re-placed document is exactly that model's block prefill
+        # (kvboost_core.block_prefill); with any recompute it is neither that nor a full prefill: approximate.
+        reused_block = reused_approx if self.block is not None and spec.repair == "none" else 0
+        reused_approx -= reused_block
+        return {"prompt_tokens": total, "reused_exact": reused_exact, "reused_block": reused_block,
+                "reused_approx": reused_approx, "reused_repaired": reused_repaired, "recomputed": recomputed,
+                "computed": computed, "reuse_ratio": (reused_exact + reused_block + reused_approx + reused_repaired)
+                / total, "repair": spec.repair,
                 "recompute_ratio": spec.recompute_ratio, "select": spec.select, "tokens_per_layer": per_layer,
                 "recheck_layer": spec.recheck_layer,
                 "hits_exact": plan.hits_exact, "hits_repaired": plan.hits_repaired,

@@ -59,7 +59,7 @@ def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[
     exact = int(stats.get("hits_exact", 0)) + int(stats.get("hits_repaired", 0))
     in_exact = sum(max(0, min(b, exact) - a) for a, b in ranges)
     content = int(stats.get("hits_content", 0))
-    kept = int(stats.get("reused_approx", 0))
+    kept = int(stats.get("reused_approx", 0)) + int(stats.get("reused_block", 0))
     return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + content,
             "doc_tokens_recomputed": content - kept, "doc_tokens_kept": in_exact + kept}
 

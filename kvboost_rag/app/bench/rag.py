@@ -186,7 +186,7 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             rows[name].append(Row(
                 q.question, q.answer, name, res.text, rc.is_correct(res.text, q),
                 first_sentence(res.text) == ref_sentence, list(res.token_ids) == ref.tokens, first_kl, top1,
-                (st["reused_exact"] + st["reused_approx"]) / n, st["recomputed"] / n, st["ttft_s"]))
+                (st["reused_exact"] + st.get("reused_block", 0) + st["reused_approx"]) / n, st["recomputed"] / n, st["ttft_s"]))
         if log:
             log(f"[{i + 1}/{len(sets)}] {len(ids)} tok  gold={q.answer!r}  full={ref.text[:70]!r}")
             for s in settings:

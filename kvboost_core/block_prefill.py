@@ -1,0 +1,166 @@
+"""Block prefill through the model's own HF forward: the reference a block adapter is trained and checked on.
+
+A block-attention model (Block-Attention, TurboRAG, KVLink) reads a prompt as the engine serves documents at
+``repair="none"``: each document is encoded on its own behind the warm lead-in, its keys are re-rotated to
+where it lands, and every other token (the head, separators, the question, the answer) is computed in one
+causal pass over everything before it. This module builds exactly that with plain HF calls and a
+``DynamicCache``, with none of the engine's machinery (no ScatterCache, no store, no placement kernel), so it
+serves two purposes:
+
+- the **training forward** of ``kvboost-rag adapt --block``: it is differentiable, so gradients flow through
+  the documents' encodings and their re-rotation;
+- the **independent reference** that the engine's block-served output is checked against (tests, ``verify``,
+  ``kvboost-rag bench rag``): equal logits and identical greedy answers, by construction.
+
+Which tokens are placed follows the engine's lookup rule: the tokens of a cacheable segment (a warmed
+document) at positions at or past ``sink_tokens`` come from the document's isolated encoding; everything else
+is computed in the main pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Prompt positions ``[start, end)``: computed in the main pass (``doc is None``) or taken from the isolated
+    encoding of ``doc`` (the document's ids, without the lead-in) from its token ``offset`` on."""
+
+    start: int
+    end: int
+    doc: tuple[int, ...] | None = None
+    offset: int = 0
+
+
+def block_runs(segments: Iterable[Any], sink_tokens: int) -> list[Run]:
+    """The runs of a tokenized prompt (``TokenizedSegment``s in order), as the engine's lookup places them."""
+    runs: list[Run] = []
+    pos = 0
+    for seg in segments:
+        ids = tuple(seg.token_ids)
+        if seg.start != pos:
+            raise ValueError(f"segments must be contiguous: one starts at {seg.start}, expected {pos}")
+        ref = tuple(seg.source_ids) if seg.source_ids is not None else ids
+        d = seg.source_offset if seg.source_ids is not None else 0
+        for i, tok in enumerate(ids):
+            p = seg.start + i
+            placed = seg.cacheable and p >= sink_tokens and 0 <= i + d < len(ref) and ref[i + d] == tok
+            _extend(runs, p, ref if placed else None, i + d)
+        pos = seg.start + len(ids)
+    return runs
+
+
+def _extend(runs: list[Run], p: int, doc: tuple[int, ...] | None, offset: int) -> None:
+    last = runs[-1] if runs else None
+    if last is not None and last.end == p and last.doc == doc and (
+            doc is None or last.offset + (last.end - last.start) == offset):
+        runs[-1] = Run(last.start, p + 1, doc, last.offset)
+    else:
+        runs.append(Run(p, p + 1, doc, offset if doc is not None else 0))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def shift_keys(model: Any, k: torch.Tensor, delta: int) -> torch.Tensor:
+    """Keys ``k`` (B, H, n, D) computed at positions p moved to p + ``delta``: RoPE rotations compose, so this
+    is one rotation by ``delta`` (cos/sin from the model's own rotary module, its attention scaling removed)."""
+    if delta == 0:
+        return k
+    rotary = model.model.rotary_emb
+    dummy = torch.empty(1, dtype=torch.float32, device=k.device)
+    cos, sin = rotary(dummy, position_ids=torch.tensor([[delta]], device=k.device))  # (1, 1, R)
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    cos, sin = cos[0].float() / scale, sin[0].float() / scale  # (1, R)
+    rot = cos.shape[-1]
+    kf = k.float()
+    out = kf[..., :rot] * cos + _rotate_half(kf[..., :rot]) * sin
+    if rot < k.shape[-1]:
+        out = torch.cat((out, kf[..., rot:]), dim=-1)
+    return out.to(k.dtype)
+
+
+def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence[int]
+                     ) -> dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each distinct document's per-layer (K, V), each (1, H, len(lead) + n, D), from one batched forward of
+    ``lead + doc`` (right-padded: causal attention never lets a token see the padding after it)."""
+    from transformers import DynamicCache
+
+    uniq = list(dict.fromkeys(docs))
+    if not uniq:
+        return {}
+    width = len(lead) + max(len(d) for d in uniq)
+    device = next(model.parameters()).device
+    batch = torch.zeros(len(uniq), width, dtype=torch.long, device=device)
+    for i, d in enumerate(uniq):
+        batch[i, : len(lead) + len(d)] = torch.tensor([*lead, *d], device=device)
+    cache = DynamicCache()
+    positions = torch.arange(width, device=device).expand(len(uniq), width)
+    model.model(input_ids=batch, position_ids=positions, cache=cache, use_cache=True)
+    out: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for i, d in enumerate(uniq):
+        n = len(lead) + len(d)
+        out[d] = [(layer.keys[i: i + 1, :, :n], layer.values[i: i + 1, :, :n]) for layer in cache.layers]
+    return out
+
+
+def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
+                  logits_from: int | None = None) -> tuple[torch.Tensor, Any]:
+    """Logits (n_out, V) of positions ``logits_from``.. of ``ids`` (default: the last position) under block
+    attention, and the HF cache after it. ``runs`` cover ``ids`` (the prompt; positions past the last run, such
+    as teacher-forced answer tokens, are computed in the main pass). Differentiable."""
+    from transformers import DynamicCache
+
+    n = len(ids)
+    covered = runs[-1].end if runs else 0
+    if covered > n:
+        raise ValueError(f"runs cover {covered} positions but ids has {n}")
+    runs = [*runs, Run(covered, n)] if covered < n else list(runs)
+    start = n - 1 if logits_from is None else logits_from
+    encoded = encode_documents(model, [r.doc for r in runs if r.doc is not None], lead)
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    pieces: list[torch.Tensor] = []
+    for r in runs:
+        if r.doc is not None:
+            a = len(lead) + r.offset  # where these tokens sat in the isolated forward
+            for layer, (k, v) in enumerate(encoded[r.doc]):
+                length = r.end - r.start
+                cache.update(shift_keys(model, k[:, :, a: a + length], r.start - a), v[:, :, a: a + length], layer)
+            continue
+        x = torch.tensor([list(ids[r.start: r.end])], device=device)
+        pos = torch.arange(r.start, r.end, device=device).view(1, -1)
+        keep = max(0, r.end - max(start, r.start))
+        out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
+        if keep:
+            pieces.append(out.logits[0, -keep:])
+    if not pieces:
+        raise ValueError(f"logits_from={start} falls on placed document tokens only")
+    return torch.cat(pieces).float(), cache
+
+
+@torch.inference_mode()
+def block_greedy(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], max_new_tokens: int,
+                 eos: set[int]) -> tuple[torch.Tensor, list[int]]:
+    """First-token logits and the greedy continuation of ``ids`` under block attention, decoded on HF's cache."""
+    from kvboost_core.adapters import output_cache
+
+    logits, cache = block_forward(model, ids, runs, lead)
+    first = logits[-1]
+    tokens = [int(first.argmax())]
+    pos = len(ids)
+    device = first.device
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                    position_ids=torch.tensor([[pos]], device=device), cache=cache, use_cache=True)
+        cache = output_cache(out)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        pos += 1
+    return first, tokens
