@@ -112,10 +112,11 @@ def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence
 
 
 def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
-                  logits_from: int | None = None) -> tuple[torch.Tensor, Any]:
+                  logits_from: int | None = None, encoded: dict | None = None) -> tuple[torch.Tensor, Any]:
     """Logits (n_out, V) of positions ``logits_from``.. of ``ids`` (default: the last position) under block
     attention, and the HF cache after it. ``runs`` cover ``ids`` (the prompt; positions past the last run, such
-    as teacher-forced answer tokens, are computed in the main pass). Differentiable."""
+    as teacher-forced answer tokens, are computed in the main pass). Differentiable. ``encoded``: a dict of
+    document encodings (:func:`encode_documents`) to reuse across calls; missing documents are added to it."""
     from transformers import DynamicCache
 
     n = len(ids)
@@ -124,7 +125,11 @@ def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seq
         raise ValueError(f"runs cover {covered} positions but ids has {n}")
     runs = [*runs, Run(covered, n)] if covered < n else list(runs)
     start = n - 1 if logits_from is None else logits_from
-    encoded = encode_documents(model, [r.doc for r in runs if r.doc is not None], lead)
+    wanted = [r.doc for r in runs if r.doc is not None]
+    if encoded is None:
+        encoded = encode_documents(model, wanted, lead)
+    else:
+        encoded.update(encode_documents(model, [d for d in wanted if d not in encoded], lead))
     device = next(model.parameters()).device
     cache = DynamicCache()
     pieces: list[torch.Tensor] = []
@@ -148,11 +153,11 @@ def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seq
 
 @torch.inference_mode()
 def block_greedy(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], max_new_tokens: int,
-                 eos: set[int]) -> tuple[torch.Tensor, list[int]]:
+                 eos: set[int], encoded: dict | None = None) -> tuple[torch.Tensor, list[int]]:
     """First-token logits and the greedy continuation of ``ids`` under block attention, decoded on HF's cache."""
     from kvboost_core.adapters import output_cache
 
-    logits, cache = block_forward(model, ids, runs, lead)
+    logits, cache = block_forward(model, ids, runs, lead, encoded=encoded)
     first = logits[-1]
     tokens = [int(first.argmax())]
     pos = len(ids)

@@ -38,7 +38,7 @@ from kvboost_rag.app.bench.rag import DEFAULT_MODEL, SYSTEM, user_message
 from kvboost_rag.app.cli_util import positive_int
 
 TUNE_TRAIN_QUESTIONS = 48  # tune questions [0, 48) train, [48, 64) validate
-KS = (2, 3, 4, 4, 6, 6, 8, 8, 10, 12, 16)  # documents per chat, drawn uniformly from this list
+KS = (2, 3, 4, 4, 5, 6, 6, 8, 8, 10, 12, 16)  # documents per chat, drawn uniformly from this list
 
 
 @dataclass(slots=True)

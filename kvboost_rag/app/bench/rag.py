@@ -73,7 +73,7 @@ def messages(question: str, docs: Sequence[str]) -> list[dict[str, str]]:
 def first_sentence(text: str) -> str:
     """Normalized first sentence: lower case, single spaces, no trailing punctuation."""
     t = " ".join(text.strip().split()).lower()
-    m = re.search(r"(?<![0-9])[.!?](\s|$)|\n", t)
+    m = re.search(r"[.!?](\s|$)|\n", t)  # "3.5" has no space after its point: not an end
     t = t[: m.start()] if m else t
     return t.strip(" .!?,;:\"'")
 
@@ -122,6 +122,8 @@ class Row:
     reuse: float
     recompute: float
     ttft_s: float
+    # block adapter rows: the greedy answer equals the independent HF block construction's (None: not checked)
+    exact: bool | None = None
 
 
 @dataclass(slots=True)
@@ -140,29 +142,59 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def summarize(setting: str, rows: Sequence[Row], full_ttft: float) -> Summary:
+def summarize(setting: str, rows: Sequence[Row], full_ttft: float, full: Sequence[Row] | None = None) -> Summary:
+    """One setting's figures; with ``full`` (the reference rows of the same questions) also the paired accuracy
+    difference with its bootstrap 95% interval and McNemar's p, and Wilson intervals of the agreement rates."""
+    from kvboost_rag.app.bench.stats import paired_accuracy, rate_with_ci
+
     n = len(rows)
     ttft = statistics.median(r.ttft_s for r in rows)
+    extra: dict[str, Any] = {}
+    if full is not None and setting != "full":
+        if [r.question for r in full] != [r.question for r in rows]:
+            raise ValueError(f"setting {setting}: rows are not paired with the reference's questions")
+        extra["paired"] = paired_accuracy([r.correct for r in full], [r.correct for r in rows]).to_dict()
+        extra["same_answer_ci"] = rate_with_ci([r.same_answer for r in rows])
+        extra["greedy_match_ci"] = rate_with_ci([r.greedy_match for r in rows])
+    checked = [r.exact for r in rows if r.exact is not None]
+    if checked:
+        extra["exact_vs_hf_block"] = rate_with_ci(checked)
     return Summary(setting, n, sum(r.correct for r in rows) / n, sum(r.same_answer for r in rows) / n,
                    sum(r.greedy_match for r in rows) / n, statistics.fmean(r.kl for r in rows),
                    sum(r.top1 for r in rows) / n, statistics.fmean(r.reuse for r in rows),
-                   statistics.fmean(r.recompute for r in rows), ttft, full_ttft / ttft)
+                   statistics.fmean(r.recompute for r in rows), ttft, full_ttft / ttft, extra)
+
+
+def summaries(rows: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
+    full_ttft = statistics.median(r.ttft_s for r in rows["full"])
+    return {s: asdict(summarize(s, r, full_ttft, rows["full"])) for s, r in rows.items()}
 
 
 def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[str, dict[str, Any]],
-        max_new_tokens: int = 32, seed: int = 0, log: Any = print, start: int = 0) -> dict[str, Any]:
+        max_new_tokens: int = 32, seed: int = 0, log: Any = print, start: int = 0,
+        block_rag: Any = None) -> dict[str, Any]:
+    """Every question through HF full prefill (the reference) and each setting; with ``block_rag`` (a
+    KVBoostRAG whose engine has a block adapter) also the ``block`` setting: the adapted model served at
+    ``repair="none"``, its greedy answer checked against the independent HF block construction
+    (kvboost_core.block_prefill) and its accuracy compared with the base model's full prefill."""
     from kvboost_rag.app import rag_corpus as rc
 
     corpus = rc.load_corpus(split)
     sets = rc.retrieval_sets(corpus, k, seed)[start:][: n_questions or None]
     engine = rag.engine
+    texts = [rc.doc_text(d) for d in corpus.documents]
     t0 = time.perf_counter()
-    rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
+    rag.warm_documents(texts, progress=False)
     warm_s = time.perf_counter() - t0
+    if block_rag is not None:
+        block_rag.warm_documents(texts, progress=False)
     eos = set(engine._eos)
     rows: dict[str, list[Row]] = {"full": []}
     for s in settings:
         rows[s] = []
+    if block_rag is not None:
+        rows["block"] = []
+    encoded: dict = {}  # the adapted model's isolated document encodings, for the HF block construction
     prompt_tokens = []
     for i, (q, docs) in enumerate(sets):
         prompt = rag.chat_prompt(messages(q.question, [rc.doc_text(d) for d in docs]))
@@ -173,9 +205,12 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
         ref_sentence = first_sentence(ref.text)
         rows["full"].append(Row(q.question, q.answer, "full", ref.text, rc.is_correct(ref.text, q), True, True, 0.0,
                                 True, 0.0, 1.0, ref.ttft_s))
-        for name, kw in settings.items():
-            res = rag.generate(prompt, max_new_tokens=max_new_tokens, add_special_tokens=special,
-                               store_prefix=False, **kw)
+        runs = [(name, rag, kw) for name, kw in settings.items()]
+        if block_rag is not None:
+            runs.append(("block", block_rag, {"repair": "none"}))
+        for name, owner, kw in runs:
+            res = owner.generate(prompt, max_new_tokens=max_new_tokens, add_special_tokens=special,
+                                 store_prefix=False, **kw)
             if res.prompt_token_ids != ids:
                 raise RuntimeError(f"prompt drift in setting {name}: the transparent path changed the ids")
             assert res.first_logits is not None
@@ -183,28 +218,51 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             top1 = int(res.first_logits.argmax()) == int(ref.logits.argmax())
             st = res.stats
             n = st["prompt_tokens"]
+            exact = None
+            if name == "block":
+                exact = _block_exact(owner, prompt, special, res, max_new_tokens, eos, encoded)
             rows[name].append(Row(
                 q.question, q.answer, name, res.text, rc.is_correct(res.text, q),
                 first_sentence(res.text) == ref_sentence, list(res.token_ids) == ref.tokens, first_kl, top1,
-                (st["reused_exact"] + st.get("reused_block", 0) + st["reused_approx"]) / n, st["recomputed"] / n, st["ttft_s"]))
+                (st["reused_exact"] + st.get("reused_block", 0) + st["reused_approx"]) / n, st["recomputed"] / n,
+                st["ttft_s"], exact))
         if log:
             log(f"[{i + 1}/{len(sets)}] {len(ids)} tok  gold={q.answer!r}  full={ref.text[:70]!r}")
-            for s in settings:
+            for s in rows:
+                if s == "full":
+                    continue
                 r = rows[s][-1]
-                log(f"    {s:<20} {'=' if r.same_answer else 'x'}{'+' if r.correct else '-'} {r.answer[:70]!r}")
-    full_ttft = statistics.median(r.ttft_s for r in rows["full"])
-    summaries = {s: asdict(summarize(s, r, full_ttft)) for s, r in rows.items()}
+                mark = "" if r.exact is None else (" [block-exact]" if r.exact else " [NOT EXACT]")
+                log(f"    {s:<20} {'=' if r.same_answer else 'x'}{'+' if r.correct else '-'} {r.answer[:70]!r}{mark}")
+    engine_info = {"reader_adapter": engine.config.reader_adapter, "recompute_ratio": engine.config.recompute_ratio,
+                   "check_layer": engine.config.check_layer, "select": engine.config.select,
+                   "repair": engine.config.repair}
+    if block_rag is not None:
+        meta = block_rag.engine.block.meta
+        engine_info["block_adapter"] = {"path": block_rag.engine.config.block_adapter, "rank": meta.rank,
+                                        "trained": {k: v for k, v in meta.trained.items() if k != "loss_curve"}}
     return {"split": split, "k": k, "questions": len(sets), "max_new_tokens": max_new_tokens, "seed": seed,
-            "prompt_tokens_median": statistics.median(prompt_tokens), "warm_s": warm_s,
-            "engine": {"reader_adapter": engine.config.reader_adapter,
-                       "recompute_ratio": engine.config.recompute_ratio, "check_layer": engine.config.check_layer,
-                       "select": engine.config.select, "repair": engine.config.repair},
-            "settings": {s: kw for s, kw in settings.items()}, "summary": summaries,
+            "prompt_tokens_median": statistics.median(prompt_tokens), "warm_s": warm_s, "engine": engine_info,
+            "settings": {s: kw for s, kw in settings.items()}, "summary": summaries(rows),
             "rows": {s: [asdict(x) for x in r] for s, r in rows.items()}}
 
 
+def _block_exact(block_rag: Any, prompt: str, special: bool, res: Any, max_new_tokens: int, eos: set[int],
+                 encoded: dict) -> bool:
+    """Whether the block-served greedy answer equals the independent HF block construction's."""
+    from kvboost_core.block_prefill import block_greedy, block_runs
+
+    eng = block_rag.engine
+    plan = block_rag.plan(prompt, add_special_tokens=special)
+    segs = eng.tokenize(plan.segments, add_special_tokens=False)
+    ids = [t for s in segs for t in s.token_ids]
+    _, tokens = block_greedy(eng.model, ids, block_runs(segs, eng.config.sink_tokens), list(eng._warm_prefix),
+                             max_new_tokens, eos, encoded)
+    return ids == list(res.prompt_token_ids) and tokens == list(res.token_ids)
+
+
 def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, Any]], rounds: int = 2,
-              seed: int = 1) -> dict[str, Any]:
+              seed: int = 1, block_rag: Any = None) -> dict[str, Any]:
     """TTFT of long RAG chats (``k`` held-out documents each), side by side in this process: plain HF full
     prefill (``logits_to_keep=1``, from the call's start) against each setting through the transparent path.
     Medians over ``rounds`` per prompt, then over prompts; speedup = full / reuse."""
@@ -213,7 +271,11 @@ def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, An
     corpus = rc.load_corpus("eval")
     rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
     eng = rag.engine
-    rows: dict[str, list[float]] = {"full": [], **{s: [] for s in settings}}
+    owners = {s: (rag, kw) for s, kw in settings.items()}
+    if block_rag is not None:  # the adapted model at repair="none", side by side with the base model's HF prefill
+        block_rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
+        owners["block"] = (block_rag, {"repair": "none"})
+    rows: dict[str, list[float]] = {"full": [], **{s: [] for s in owners}}
     lengths = []
     for q, docs in rc.retrieval_sets(corpus, k, seed)[:n_prompts]:
         prompt = rag.chat_prompt(messages(q.question, [rc.doc_text(d) for d in docs]))
@@ -226,8 +288,8 @@ def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, An
                 t0 = time.perf_counter()
                 eng.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
                 per["full"].append(time.perf_counter() - t0)
-            for name, kw in settings.items():
-                res = rag.generate(prompt, max_new_tokens=1, add_special_tokens=special, store_prefix=False, **kw)
+            for name, (owner, kw) in owners.items():
+                res = owner.generate(prompt, max_new_tokens=1, add_special_tokens=special, store_prefix=False, **kw)
                 per[name].append(res.stats["ttft_s"])
         for s, v in per.items():
             rows[s].append(statistics.median(v))
@@ -250,10 +312,9 @@ def merge_runs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError("parts differ in split, k or settings")
         for s, rs in part["rows"].items():
             rows.setdefault(s, []).extend(Row(**r) for r in rs)
-    full_ttft = statistics.median(r.ttft_s for r in rows["full"])
     out = dict(first, questions=sum(p["questions"] for p in parts),
                prompt_tokens_median=statistics.median(p["prompt_tokens_median"] for p in parts))
-    out["summary"] = {s: asdict(summarize(s, r, full_ttft)) for s, r in rows.items()}
+    out["summary"] = summaries(rows)
     out["rows"] = {s: [asdict(x) for x in r] for s, r in rows.items()}
     return out
 
@@ -288,20 +349,40 @@ def plot_curve(result: dict[str, Any], path: str) -> None:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    """Accuracy with its paired difference from full prefill (bootstrap 95% CI, McNemar p), the share of full
+    prefill's right answers kept, agreement with full prefill (Wilson 95% CI) and speed."""
+    from kvboost_rag.app.bench.stats import pct_ci
+
     print(f"split={result['split']} k={result['k']} questions={result['questions']} "
           f"prompt tokens (median)={result['prompt_tokens_median']}")
-    print(f"{'setting':<22}{'acc':>7}{'same':>7}{'greedy':>8}{'KL':>8}{'top1':>7}{'reuse':>7}{'recomp':>8}"
-          f"{'TTFT s':>8}  speed")
+    print(f"{'setting':<18}{'acc':>7}  {'Δacc vs full [95% CI]':<24}{'McNemar p':>10}{'kept':>7}  "
+          f"{'same answer [95% CI]':<22}{'KL':>8}{'reuse':>7}{'recomp':>8}{'TTFT s':>8}  speed")
     for s, m in result["summary"].items():
-        print(f"{s:<22}{m['accuracy']:>7.1%}{m['same_answer']:>7.1%}{m['greedy_match']:>8.1%}{m['kl_mean']:>8.4f}"
-              f"{m['top1']:>7.1%}{m['reuse']:>7.1%}{m['recompute']:>8.1%}{m['ttft_s']:>8.3f}  "
-              f"{m['speedup']:.2f}x faster")
+        ex = m.get("extra") or {}
+        pa, same = ex.get("paired"), ex.get("same_answer_ci")
+        delta = pct_ci(pa["diff"], pa["diff_lo"], pa["diff_hi"]) if pa else "reference"
+        p = f"{pa['mcnemar_p']:.3f}" if pa else ""
+        kept = f"{pa['kept_right']:.0%}" if pa else ""
+        same_s = (f"{same['rate']:.1%} [{same['lo']:.0%}, {same['hi']:.0%}]" if same else "")
+        print(f"{s:<18}{m['accuracy']:>7.1%}  {delta:<24}{p:>10}{kept:>7}  {same_s:<22}{m['kl_mean']:>8.4f}"
+              f"{m['reuse']:>7.1%}{m['recompute']:>8.1%}{m['ttft_s']:>8.3f}  {_speed(m['speedup'])}")
+        if "exact_vs_hf_block" in ex:
+            e = ex["exact_vs_hf_block"]
+            print(f"{'':<18}answers identical to the independent HF block construction: "
+                  f"{round(e['rate'] * e['n'])}/{e['n']} [{e['lo']:.1%}, {e['hi']:.1%}]")
+
+
+def _speed(ratio: float) -> str:
+    """full / reuse as "N.NNx faster", or "N.NNx slower" below 1."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvboost-rag bench rag", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name, a local HF folder or a hub id")
-    ap.add_argument("--split", choices=("tune", "eval"), default="eval", help="tune: for tuning; eval: held out")
+    ap.add_argument("--split", choices=("tune", "eval", "heldout"), default="eval",
+                    help="tune: for tuning; eval and heldout: held out (heldout: 256+ questions written for the "
+                         "block adapter's evaluation)")
     ap.add_argument("--k", type=int, default=12, help="retrieved documents per question (gold included)")
     ap.add_argument("--questions", type=int, default=None, help="first N questions (default: all)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
@@ -310,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warm-prefix", default=None, help="engine warm_prefix ('chat': behind the template's head)")
     ap.add_argument("--reader", default=None, metavar="DIR",
                     help="a reader adapter (kvboost-rag adapt) for every reuse setting; plain HF stays the base model")
+    ap.add_argument("--block-adapter", default=None, metavar="DIR",
+                    help="also run the 'block' setting: a second engine with this block adapter at repair='none', "
+                         "checked against the independent HF block construction")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--ttft-k", type=int, default=0,
                     help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
@@ -322,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = {}
-    for s in args.settings.split(","):
+    for s in filter(None, args.settings.split(",")):  # "" runs full prefill (and --block-adapter's block) only
         if s not in SETTINGS:
             ap.error(f"--settings: unknown setting {s!r}; choose from {', '.join(SETTINGS)}")
         chosen[s] = SETTINGS[s]
@@ -339,14 +423,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     rag = KVBoostRAG.from_model_id(args.model, device="cpu", warm_prefix=args.warm_prefix,
                                    reader_adapter=args.reader)
+    block_rag = None
+    if args.block_adapter:
+        block_rag = KVBoostRAG.from_model_id(args.model, device="cpu", block_adapter=args.block_adapter)
     if args.ttft_k:
-        result = ttft_long(rag, args.ttft_k, args.ttft_prompts, chosen)
+        result = ttft_long(rag, args.ttft_k, args.ttft_prompts, chosen, block_rag=block_rag)
         print(f"{result['prompt_tokens_median']} prompt tokens (median), {args.ttft_prompts} prompts")
         for s, t in result["ttft_s"].items():
             sp = result["speedup"].get(s)
-            print(f"  {s:<22} TTFT {t:.3f} s" + (f"  {sp:.2f}x faster" if sp else ""))
+            print(f"  {s:<22} TTFT {t:.3f} s" + (f"  {_speed(sp)}" if sp else ""))
     else:
-        result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens, start=args.start)
+        result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens, start=args.start,
+                     block_rag=block_rag)
         print_table(result)
     _save(result, args.json_path, None if args.ttft_k else args.plot_path)
     return 0
