@@ -151,6 +151,8 @@ class KVEngine:
 
         from kvboost_core import zoo
 
+        if config_kwargs.get("block_adapter") == "shipped":  # the adapter trained for this zoo model
+            config_kwargs["block_adapter"] = zoo.shipped_block_adapter(name_or_path)
         if zoo.is_zoo_name(name_or_path):  # a short name such as "smollm2-135m-instruct": offline weights
             name_or_path = zoo.resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -76,6 +76,10 @@ class PromptFidelity:
     reuse_ratio: float
     recomputed_share: float
     ttft_ratio: float  # reuse TTFT / full-prefill TTFT
+    # engines with a block adapter: the reference of repair="none" is the adapted model's own block prefill
+    # (kvboost_core.block_prefill); these compare the same output with the *base* model's full prefill
+    base_kl: float | None = None
+    base_top1_agree: float | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +100,9 @@ class FidelityReport:
                 "recomputed_share": statistics.fmean(r.recomputed_share for r in rows),
                 "ttft_ratio": statistics.median(r.ttft_ratio for r in rows),
             }
+            if rows[0].base_kl is not None:  # a block adapter: the same output against the base model
+                out[repair]["base_mean_kl"] = statistics.fmean(r.base_kl or 0.0 for r in rows)
+                out[repair]["base_top1_agree"] = statistics.fmean(r.base_top1_agree or 0.0 for r in rows)
         return out
 
     def to_json(self, **kw: Any) -> str:
@@ -141,11 +148,19 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     report = FidelityReport()
+    block = getattr(engine, "block", None)
     for i, prompt in enumerate(prompts):
         ids = engine.tokenize_ids(prompt)
-        ref_logits = engine.full_prefill_logits(ids)
-        ref_tokens, ref_ttft = _greedy_reference(engine, ids, max_new_tokens)
+        full_logits = engine.full_prefill_logits(ids)
+        full_tokens, ref_ttft = _greedy_reference(engine, ids, max_new_tokens)
+        base_logits = None
+        if block is not None:
+            with block.base_weights():
+                base_logits = engine.full_prefill_logits(ids)
         for repair in repairs:
+            ref_logits, ref_tokens = full_logits, full_tokens
+            if block is not None and repair == "none":
+                ref_logits, ref_tokens = _block_reference(engine, prompt, max_new_tokens)
             # reuse_repaired=False: earlier calls' repaired prefixes would make every strategy look exact
             res = engine.generate(prompt, max_new_tokens=max_new_tokens, repair=repair, store_prefix=False,
                                   reuse_repaired=False, **repair_kw)
@@ -161,5 +176,19 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
                 prompt=i, repair=repair, max_abs_diff=cmp["max_abs_diff"], kl=cmp["kl"],
                 top1_agree=cmp["top1_agree"], greedy_match=first_div / len(ref_tokens) if match < 1 else 1.0,
                 reuse_ratio=s["reuse_ratio"], recomputed_share=s["recomputed"] / total,
-                ttft_ratio=res.ttft_s / max(ref_ttft, 1e-9)))
+                ttft_ratio=res.ttft_s / max(ref_ttft, 1e-9),
+                base_kl=None if base_logits is None else kl_divergence(base_logits, pre.last_logits),
+                base_top1_agree=None if base_logits is None else float(
+                    int(base_logits.argmax()) == int(pre.last_logits.argmax()))))
     return report
+
+
+def _block_reference(engine: Any, prompt: Any, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """The adapted model's own block prefill of ``prompt`` through plain HF calls, and its greedy tokens."""
+    from kvboost_core.block_prefill import block_greedy, block_runs
+
+    segs = engine.tokenize(prompt)
+    ids = [t for seg in segs for t in seg.token_ids]
+    logits, tokens = block_greedy(engine.model, ids, block_runs(segs, engine.config.sink_tokens),
+                                  list(engine._warm_prefix), max_new_tokens, set())
+    return logits, tokens

@@ -35,6 +35,9 @@ class ZooModel:
     # KVEngine.from_pretrained applies; explicit arguments still win). Chosen on the tune split of
     # kvboost_rag.app.rag_corpus, reported on the held-out split (README, "Real-model answers").
     engine_defaults: tuple[tuple[str, object], ...] = ()
+    # A block adapter trained for this model and shipped in the package (kvboost_core/zoo_data/<dir>), loaded
+    # with ``block_adapter="shipped"``; "" when there is none.
+    block_adapter: str = ""
 
 
 SMOLLM2 = ZooModel(
@@ -55,6 +58,7 @@ SMOLLM2 = ZooModel(
     # CacheBlend at the engine default (ratio 0.15) changes this model's answers (tune split: 25% right vs
     # 37.5% for full prefill, 4% same answers); 0.7 was the cheapest ratio whose accuracy held on the tune split.
     engine_defaults=(("recompute_ratio", 0.7),),
+    block_adapter="smollm2-135m-instruct-block",
 )
 
 MODELS = {SMOLLM2.name: SMOLLM2}
@@ -64,6 +68,18 @@ def cache_root() -> Path:
     env = os.environ.get("KVBOOST_CACHE_DIR")
     base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvboost-rag"
     return base / "models"
+
+
+def shipped_block_adapter(name: str) -> str:
+    """The directory of the block adapter shipped for zoo model ``name`` (``block_adapter="shipped"``)."""
+    model = MODELS.get(name.lower()) if isinstance(name, str) else None
+    if model is None or not model.block_adapter:
+        raise ValueError(f"block_adapter='shipped' needs a model with a shipped block adapter, loaded by its short "
+                         f"name ({', '.join(m.name for m in MODELS.values() if m.block_adapter)}); got {name!r}")
+    path = Path(__file__).resolve().parent / "zoo_data" / model.block_adapter
+    if not (path / "block.json").is_file():
+        raise ValueError(f"the shipped block adapter of {model.name} is missing from this install ({path})")
+    return str(path)
 
 
 def is_zoo_name(name: str) -> bool:

@@ -162,3 +162,16 @@ def test_loading_refuses_foreign_adapters(trained, tokenizer, tmp_path):
         engine_for(make_tiny_model("llama"), tokenizer, block_adapter=str(out), reader_adapter=str(out))
     with pytest.raises(TypeError, match="block_adapter"):
         engine_for(make_tiny_model("llama"), tokenizer, block_adapter=3)
+
+
+def test_verify_compares_with_the_block_prefill_and_reports_the_base_model(trained, tokenizer):
+    out, _, _ = trained
+    eng = engine_for(make_tiny_model("llama"), tokenizer, block_adapter=str(out))
+    eng.warm(DOCS)
+    report = eng.verify([PROMPT], repairs=("none", "full"), max_new_tokens=8)
+    none, full = report.summary()["none"], report.summary()["full"]
+    assert none["max_abs_diff"] < 1e-4 and none["greedy_match"] == 1.0  # exact against its own block prefill
+    assert full["max_abs_diff"] < 1e-4  # full recompute against the adapted model's full prefill
+    assert none["base_mean_kl"] > 1e-6  # the adapted model is not the base model: reported separately
+    base = engine_for(make_tiny_model("llama"), tokenizer)
+    assert "base_mean_kl" not in base.verify([PROMPT], repairs=("full",), max_new_tokens=2).summary()["full"]
