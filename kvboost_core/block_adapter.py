@@ -88,6 +88,7 @@ def save(directory: str, tensors: dict[str, torch.Tensor], meta: BlockMeta) -> s
         raise ValueError("block adapter weights overflow fp16 (non-finite after conversion)")
     tmp = os.path.join(directory, f".{WEIGHTS}.tmp")
     save_file(half, tmp)
+    os.chmod(tmp, 0o644)  # a shipped file: readable like the package around it
     os.replace(tmp, os.path.join(directory, WEIGHTS))
     with open(os.path.join(directory, META + ".tmp"), "w") as f:
         json.dump(meta.to_json(), f, indent=1)
