@@ -1,11 +1,14 @@
 """The English RAG corpus for the real-model demo and the quality benchmark (issue #17).
 
-Two hand-written sets of short encyclopedic documents about invented entities (towns, people, companies,
-rivers, ships...), so a model must read the documents to answer instead of recalling facts it was trained
-on. ``tune`` (32 documents, 64 questions) is for tuning the system; ``eval`` (64 documents, 128 questions)
-is held out and used only to report. Within a set, entities come in small confusable groups of one
-``kind`` (four towns on different rivers, founded in nearby years...), so distractor documents matter; no
-gold answer appears in any other document of its set.
+Three hand-written sets of short documents about invented entities (towns, people, companies, rivers,
+ships...), so a model must read the documents to answer instead of recalling facts it was trained on.
+``tune`` (32 documents, 64 questions) is for tuning the system; ``eval`` (64 documents, 128 questions) is
+held out and used only to report. ``heldout`` (144 documents in 18 kinds and many styles: news items, museum
+labels, letters, notices, minutes...; 288 questions, issue #24) is large enough for paired confidence
+intervals, and shares no entity, title or answer with the other two or with the synthetic corpus
+(kvboost_rag.app.synth_corpus); nothing may be trained or tuned on it. Within a set, entities come in
+small confusable groups of one ``kind`` (four towns on different rivers, founded in nearby years...), so
+distractor documents matter; no gold answer appears in any other document of its set.
 
 Stdlib only: the benchmark imports this before it loads torch or a model.
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-SPLITS = ("tune", "eval")
+SPLITS = ("tune", "eval", "heldout")
 _PACKAGE = "kvboost_rag.app"
 _DIR = ("assets", "rag_corpus")
 # how many distractors of the gold document's kind retrieval_sets takes first (when the set has them)
@@ -86,7 +89,7 @@ def _parse(data: Any, split: str) -> RagCorpus:
 
 
 def load_corpus(split: str) -> RagCorpus:
-    """Load the ``"tune"`` or ``"eval"`` set from the package data."""
+    """Load the ``"tune"``, ``"eval"`` or ``"heldout"`` set from the package data."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = resources.files(_PACKAGE).joinpath(*_DIR, f"{split}.json")
