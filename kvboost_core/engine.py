@@ -61,7 +61,7 @@ from kvboost_core.segments import (
     normalize_prompt,
     tokenize_segments,
 )
-from kvboost_core.store import DensePayload, KVBlock
+from kvboost_core.store import DensePayload, KVBlock, KVGeometry
 from kvboost_core.store.factory import build_store
 
 if TYPE_CHECKING:
@@ -124,7 +124,8 @@ class KVEngine:
         self.fingerprint = model_fingerprint(model, tokenizer)  # of the base model, before any reader adapter
         self.reader = self._load_reader(config.reader_adapter)
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
-                                 namespace=config.namespace, secret=config.store_secret)
+                                 namespace=config.namespace, secret=config.store_secret,
+                                 geometry=KVGeometry.for_engine(self.adapter, config))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self._lead = lead_token_ids(tokenizer)
         self._warm_prefix = self._resolve_warm_prefix(config.warm_prefix)
