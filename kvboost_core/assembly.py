@@ -105,7 +105,7 @@ def _runs(mask: list[bool]) -> list[tuple[int, int]]:
 
 def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], *, namespace: str,
            fingerprint: Fingerprint, spans_of: Callable[[Sequence[int]], list[tuple[int, int]]],
-           sink_tokens: int, allow_approx: bool, allow_repaired: bool = True) -> Plan:
+           sink_tokens: int, allow_approx: bool, allow_repaired: bool = True, precision: str) -> Plan:
     ids = [t for seg in segments for t in seg.token_ids]
     total = len(ids)
     plan = Plan(token_ids=ids, chunks=list(chunks), status=[FRESH] * total)
@@ -113,7 +113,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
     frontier: int | None = None  # start of the first repaired (approximate) prefix hit
 
     # 1) exact prefix through the prefix chain
-    parent = root_key(namespace, fingerprint)
+    parent = root_key(namespace, fingerprint, precision=precision)
     covered = 0
     digest = b""  # chained digest of the request's tokens [0, ch.start)
     for ch in chunks:
@@ -163,7 +163,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
             lo, hi = max(ra - d, 0), min(rb - d, len(seg.token_ids))  # segment indices this chunk covers
             if lo >= hi:
                 continue
-            block = store.get(content_key(namespace, fingerprint, ref[ra:rb]))
+            block = store.get(content_key(namespace, fingerprint, ref[ra:rb], precision=precision))
             if block is None or block.kind != "content" or list(block.token_ids) != list(ref[ra:rb]):
                 continue  # a key collision or another kind of entry: a miss
             usable = [seg.token_ids[i] == ref[i + d] and seg.start + i >= floor for i in range(lo, hi)]
@@ -194,9 +194,9 @@ def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rota
 
 
 def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[int],
-                      chunks: Sequence[Chunk]) -> list[tuple[CacheKey, CacheKey, bytes]]:
-    """(parent, key, context digest) of every chunk's prefix entry, in order."""
-    out, parent, digest = [], root_key(namespace, fingerprint), b""
+                      chunks: Sequence[Chunk], *, precision: str) -> list[tuple[CacheKey, CacheKey, bytes]]:
+    """(parent, key, context digest) of every chunk's prefix entry, in order, in ``precision``'s key space."""
+    out, parent, digest = [], root_key(namespace, fingerprint, precision=precision), b""
     for ch in chunks:
         key = prefix_key(parent, ids[ch.start:ch.end])
         digest = chain_digest(digest, ids[ch.start:ch.end])

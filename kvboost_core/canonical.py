@@ -41,7 +41,7 @@ from kvboost_core.assembly import (
     place,
 )
 from kvboost_core.forward import Schedule, run_forward
-from kvboost_core.keys import CacheKey, prefix_key, root_key
+from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult
 from kvboost_core.store.base import KVStore
@@ -49,8 +49,8 @@ from kvboost_core.store.base import KVStore
 _CHAIN = (-1,)  # no tokenizer emits -1: the canonical chain's root differs from the engine's prefix chain
 
 
-def canonical_root(namespace: str, fingerprint: Any) -> CacheKey:
-    return prefix_key(root_key(namespace, fingerprint), _CHAIN)
+def canonical_root(namespace: str, fingerprint: Any, precision: str) -> CacheKey:
+    return prefix_key(root_key(namespace, fingerprint, precision=precision), _CHAIN)
 
 
 class _ContentOnly:
@@ -91,16 +91,17 @@ class CanonicalJob:
         t_tok = time.perf_counter()
         cfg = engine.config
         view = cast(KVStore, _ContentOnly(engine.store))  # lookup reads get() and children() only
+        precision = kv_precision(cfg.kv_bits, cfg.kv_group_size)  # the key space of this engine's stored KV
         plan = lookup(view, segs, chunks, namespace=cfg.namespace, fingerprint=engine.fingerprint,
                       spans_of=engine._spans, sink_tokens=cfg.sink_tokens, allow_approx=a.rope.rerotatable,
-                      allow_repaired=False)
+                      allow_repaired=False, precision=precision)
         ids = plan.token_ids
         first = min(next((i for i, s in enumerate(plan.status) if s == APPROX), total - 1), total - 1)
         p = max(ch.start for ch in chunks if ch.start <= first)
         head = [ch for ch in chunks if ch.end <= p]
 
         # stored canonical chunks, whole ones only, chained from the canonical root
-        parent, digest, hit_end = canonical_root(cfg.namespace, engine.fingerprint), b"", 0
+        parent, digest, hit_end = canonical_root(cfg.namespace, engine.fingerprint, precision), b"", 0
         chain: list[tuple[CacheKey, CacheKey, bytes]] = []  # (parent, key, digest) per head chunk
         for ch in head:
             want = ids[ch.start:ch.end]

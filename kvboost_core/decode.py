@@ -64,15 +64,45 @@ class SamplingParams:
         return cls(max_new_tokens, float(temperature), float(top_p), stops, seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0 (no division by zero); otherwise temperature + nucleus sampling."""
+class BadLogits(RuntimeError):
+    """The next-token logits cannot be sampled from: NaN (a broken model or processor), or every token masked.
+    Raised instead of a crash inside ``torch.multinomial`` or a silent token 0."""
+
+
+def check_logits(logits: torch.Tensor, source: str = "the model") -> None:
+    """Raise :class:`BadLogits` when ``logits`` (V,) hold a NaN or no token is allowed (all -inf)."""
+    if bool(torch.isnan(logits).any()):
+        raise BadLogits(f"{source} produced NaN logits; cannot choose the next token")
+    if not bool((logits > -math.inf).any()):
+        raise BadLogits(f"every token is masked (all logits from {source} are -inf); cannot choose the next token")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           source: str = "the model") -> int:
+    """Greedy at temperature 0 (no division by zero); otherwise temperature + nucleus sampling. NaN logits or
+    all -inf raise :class:`BadLogits` (``source`` names who produced them), at any temperature.
+
+    Any temperature > 0 works: logits are shifted by their max before the division, so a tiny temperature
+    cannot overflow and tends to greedy (uniform over tied maxima); +inf logits (forced tokens) are sampled
+    uniformly among themselves. Any top_p in (0, 1] keeps at least the top token."""
+    check_logits(logits, source)
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (V,)
+    x = logits.float()  # (V,)
+    forced = torch.isposinf(x)
+    if bool(forced.any()):  # +inf - +inf would be NaN: a forced token wins, ties share the mass
+        x = torch.where(forced, 0.0, -math.inf)
+    # (x - max) <= 0, so dividing by any positive temperature gives a value in [-inf, 0]: no overflow to +inf.
+    # A temperature below float32's range becomes 0 in the division: the maxima are set to 0 (not 0/0 = NaN).
+    top = x.max()
+    scaled = torch.where(x == top, 0.0, (x - top) / params.temperature)  # (V,) in [-inf, 0]
+    probs = torch.softmax(scaled, dim=-1)  # (V,)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p (always at least the top token).
-        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p
+        sorted_p, order = torch.sort(probs, descending=True)  # (V,)
+        # Keep the smallest set whose mass reaches top_p. The top token is always kept: a top_p below float32's
+        # smallest value (1e-300) compares as 0 against the tensor and would otherwise drop every token.
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p  # (V,) bool
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
@@ -89,6 +119,8 @@ def process_and_sample(processor: LogitsProcessor | None, generated: list[int], 
     """The next token: ``logits`` (V,) through ``processor`` (when given), then :func:`sample`. None when
     the processor raised :class:`StopGeneration`."""
     if processor is not None:
+        check_logits(logits)  # the model's own NaN is reported as the model's, not the processor's
+        shape = tuple(logits.shape)
         try:
             with torch.inference_mode():  # the logits are inference tensors: in-place masking needs the mode
                 logits = processor(list(generated), logits)
@@ -96,6 +128,12 @@ def process_and_sample(processor: LogitsProcessor | None, generated: list[int], 
             return None
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"logits_processor must return a torch.Tensor of logits, got {type(logits).__name__}")
+        if tuple(logits.shape) != shape:  # a wider tensor would sample an id past the vocabulary
+            raise ValueError(f"logits_processor must return logits of shape {shape} (the vocabulary), got "
+                             f"{tuple(logits.shape)}")
+        if not logits.is_floating_point():
+            logits = logits.float()
+        return sample(logits, params, generator, source="the logits_processor")
     return sample(logits, params, generator)
 
 

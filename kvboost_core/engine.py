@@ -47,7 +47,7 @@ from kvboost_core.decode import (
     process_and_sample,
 )
 from kvboost_core.forward import Schedule, decode_step, run_forward
-from kvboost_core.keys import Fingerprint, content_key, model_fingerprint
+from kvboost_core.keys import Fingerprint, content_key, kv_precision, model_fingerprint
 from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, WarmResult
@@ -61,7 +61,7 @@ from kvboost_core.segments import (
     normalize_prompt,
     tokenize_segments,
 )
-from kvboost_core.store import DensePayload, KVBlock
+from kvboost_core.store import DensePayload, KVBlock, KVGeometry
 from kvboost_core.store.factory import build_store
 
 if TYPE_CHECKING:
@@ -132,7 +132,8 @@ class KVEngine:
         self.reader = self._load_reader(config.reader_adapter)
         self.block = self._load_block(config.block_adapter)
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
-                                 namespace=config.namespace, secret=config.store_secret)
+                                 namespace=config.namespace, secret=config.store_secret,
+                                 geometry=KVGeometry.for_engine(self.adapter, config))
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = self._eos_ids()
@@ -293,7 +294,8 @@ class KVEngine:
             if not ids or self.adapter.no_reuse:
                 continue
             spans = self._spans(ids)
-            keys = [content_key(self.config.namespace, self.fingerprint, ids[a:b]) for a, b in spans]
+            prec = kv_precision(self.config.kv_bits, self.config.kv_group_size)
+            keys = [content_key(self.config.namespace, self.fingerprint, ids[a:b], precision=prec) for a, b in spans]
             if all(self._holds_content(k, ids[a:b]) for k, (a, b) in zip(keys, spans)):
                 already += 1
                 continue
@@ -420,7 +422,8 @@ class KVEngine:
         else:
             plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
                           spans_of=self._spans, sink_tokens=self.config.sink_tokens,
-                          allow_approx=self.adapter.rope.rerotatable, allow_repaired=allow_repaired)
+                          allow_approx=self.adapter.rope.rerotatable, allow_repaired=allow_repaired,
+                          precision=kv_precision(self.config.kv_bits, self.config.kv_group_size))
         t_lookup = time.perf_counter()
         ctx = self.adapter.max_context or (total + n_new)
         cache = self._new_cache(max(total, min(total + n_new, ctx)))
@@ -500,7 +503,8 @@ class KVEngine:
             frontier = min(first_approx, frontier if plan.repaired_from is None else plan.repaired_from)
         full_hits = {pl.dst for pl in plan.placements if pl.exact and pl.length == pl.block.num_tokens}
         for ch, (parent, key, digest) in zip(plan.chunks, chunk_prefix_keys(
-                self.config.namespace, self.fingerprint, plan.token_ids, plan.chunks)):
+                self.config.namespace, self.fingerprint, plan.token_ids, plan.chunks,
+                precision=kv_precision(self.config.kv_bits, self.config.kv_group_size))):
             if ch.end <= plan.exact_len and ch.start in full_hits:
                 continue  # stored already: it was the hit
             kind = "prefix" if ch.end <= frontier else "repaired"

@@ -2,9 +2,11 @@
 
 Keys are xxh3-128 digests. A *content key* names a chunk's tokens for one model in one namespace, wherever
 the chunk stands; a *prefix key* chains its parent's prefix key, so it names the chunk *and everything before
-it*. Both include the namespace (tenant isolation, like vLLM's ``cache_salt``) and the model fingerprint, so a
-different model, dtype or tokenizer can never hit. A key is never trusted alone: callers compare the stored
-token ids with the request's on every hit.
+it*. Both include the namespace (tenant isolation, like vLLM's ``cache_salt``), the model fingerprint and the
+stored KV's precision (:func:`kv_precision`), so a different model, dtype, tokenizer or ``kv_bits`` can never
+hit: an int4 entry is never served to a dense engine as its exact prefix, and engines of different precisions
+share a store side by side. A key is never trusted alone: callers compare the stored token ids with the
+request's on every hit.
 """
 
 from __future__ import annotations
@@ -28,21 +30,43 @@ def _ids_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
-def root_key(namespace: str, fingerprint: Fingerprint) -> CacheKey:
-    """The root of every prefix chain for one (namespace, model)."""
+def kv_precision(kv_bits: int | None, group_size: int) -> str:
+    """The stored KV's precision as a key component (``EngineConfig.kv_bits`` / ``kv_group_size``): "model"
+    (the model's dtype, already in the fingerprint), "bf16", or "int8g32" / "int4g32" (bits and group size:
+    another group size is another quantization of the same KV)."""
+    if kv_bits is None:
+        return "model"
+    if kv_bits == 16:
+        return "bf16"
+    if kv_bits in (4, 8):
+        return f"int{kv_bits}g{int(group_size)}"
+    raise ValueError(f"kv_bits must be None, 16, 8 or 4, got {kv_bits!r}")
+
+
+def _precision_field(precision: str) -> bytes:
+    # length-prefixed: no precision string can shift bytes into a neighbouring field
+    raw = precision.encode("utf-8")
+    return b"kv:" + len(raw).to_bytes(2, "little") + raw
+
+
+def root_key(namespace: str, fingerprint: Fingerprint, *, precision: str) -> CacheKey:
+    """The root of every prefix chain for one (namespace, model, KV precision)."""
     h = xxhash.xxh3_128()
     h.update(b"kvboost/root\0")
     h.update(namespace.encode("utf-8") + b"\0")
-    h.update(fingerprint.encode("ascii"))
+    h.update(fingerprint.encode("ascii") + b"\0")
+    h.update(_precision_field(precision))
     return CacheKey(h.digest())
 
 
-def content_key(namespace: str, fingerprint: Fingerprint, token_ids: Sequence[int]) -> CacheKey:
-    """Key of a chunk by its tokens alone (position independent)."""
+def content_key(namespace: str, fingerprint: Fingerprint, token_ids: Sequence[int], *,
+                precision: str) -> CacheKey:
+    """Key of a chunk by its tokens alone (position independent), for one KV precision."""
     h = xxhash.xxh3_128()
     h.update(_CONTENT)
     h.update(namespace.encode("utf-8") + b"\0")
     h.update(fingerprint.encode("ascii") + b"\0")
+    h.update(_precision_field(precision))
     h.update(_ids_bytes(token_ids))
     return CacheKey(h.digest())
 

@@ -54,7 +54,7 @@ def test_none_differs_from_full_and_full_is_exact(tiny_llama, tokenizer):
 def test_forced_hash_collision_never_serves_wrong_kv(tiny_llama, tokenizer, monkeypatch):
     eng = engine_for(tiny_llama, tokenizer)
     eng.warm(CORPUS[0])
-    const = assembly.content_key(eng.config.namespace, eng.fingerprint, [1, 2, 3])
+    const = assembly.content_key(eng.config.namespace, eng.fingerprint, [1, 2, 3], precision="model")
     monkeypatch.setattr(assembly, "content_key", lambda *a, **k: const)
     monkeypatch.setattr(assembly, "prefix_key", lambda *a, **k: const)
     eng.warm(CORPUS[0])  # entries now all collide under one key

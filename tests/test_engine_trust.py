@@ -209,7 +209,7 @@ def test_warm_does_not_report_documents_a_full_budget_refused(tiny_llama, tokeni
     filler = next(iter(store._blocks.values()))
     eng.clear()
     for i in range(eng.config.max_cache_bytes // filler.nbytes):  # the whole budget pinned
-        assert store.put(keys_mod.content_key(eng.config.namespace, eng.fingerprint, [10_000 + i]), filler,
+        assert store.put(keys_mod.content_key(eng.config.namespace, eng.fingerprint, [10_000 + i], precision="model"), filler,
                          pin=True)
     with caplog.at_level("WARNING", logger="kvboost_core.engine"):
         res = eng.warm(CORPUS[1:3])

@@ -16,6 +16,7 @@ from _redis_fixture import RedisServer, redis_server, redis_url  # noqa: F401
 from test_store_disk import FP, key, make_block, same
 
 from kvboost_core.store import RedisStore, TieredStore, build_store
+from kvboost_core.store.redis_tier import REQUIRED_COMMANDS, RedisClearError
 from kvboost_core.store.serialize import dumps
 
 pytestmark = pytest.mark.redis
@@ -56,7 +57,9 @@ def test_server_stopped_mid_run_degrades_to_misses(redis_server: RedisServer) ->
         warnings.simplefilter("error")  # one warning per outage, not one per call
         assert s.put(key(2), make_block(2)) is False
         assert s.get(key(1)) is None and not s.contains(key(1)) and not s.delete(key(1))
-        assert s.children(key(1)) == [] and s.clear() is None
+        assert s.children(key(1)) == []
+        with pytest.raises(RedisClearError, match="clear"):  # an explicit clear must not look like it worked
+            s.clear()
     assert s.stats()["errors"] >= 5
 
 
@@ -148,3 +151,45 @@ def test_credentials_never_reach_logs_or_warnings(redis_server: RedisServer, cap
     with pytest.raises(ValueError) as bad:
         RedisStore(f"redis://carol:{secret}@127.0.0.1:notaport/0", namespace="default", fingerprint=FP)
     assert secret not in str(bad.value) and "***@" in str(bad.value)
+
+
+# -- ACL users and explicit clears (issue 26) ----------------------------------------------------------------
+def _user(redis_server: RedisServer, name: str, *rules: str) -> str:  # noqa: F811
+    import redis
+
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw-secret-1", "~kvboost:*", *rules)
+    return f"redis://{name}:pw-secret-1@127.0.0.1:{redis_server.port}/0"
+
+
+def test_user_without_eval_is_refused_at_start_naming_the_commands(redis_server: RedisServer) -> None:  # noqa: F811
+    url = _user(redis_server, "noeval", "+@all", "-eval", "-evalsha")
+    with pytest.raises(PermissionError, match="EVAL") as err:
+        RedisStore(url, namespace="default", fingerprint=FP)
+    assert "pw-secret-1" not in str(err.value)
+    assert all(c in str(err.value) for c in REQUIRED_COMMANDS)  # the whole list, to fix the ACL in one go
+    url = _user(redis_server, "nostrlen", "+@all", "-strlen")  # refused inside the tier's Lua script
+    with pytest.raises(PermissionError, match="may not run STRLEN, GET;"):
+        RedisStore(url, namespace="default", fingerprint=FP)
+
+
+def test_the_documented_commands_are_enough(redis_server: RedisServer) -> None:  # noqa: F811
+    rules = ["+" + c.lower().replace(" ", "|") for c in REQUIRED_COMMANDS]
+    s = RedisStore(_user(redis_server, "minimal", *rules), namespace="default", fingerprint=FP)
+    assert s.put(key(1), make_block(1, parent=key(9))) and s.put(key(2), make_block(2, parent=key(9)))
+    got = s.get(key(1))
+    assert got is not None and same(got, make_block(1, parent=key(9)))
+    assert s.contains(key(1)) and sorted(s.children(key(9))) == [key(1), key(2)]
+    s._client.set(s._k(key(3)), b"junk")
+    assert s.get(key(3)) is None and not s._client.exists(s._k(key(3)))  # the compare-and-delete script
+    assert s.delete(key(2))
+    s.clear()
+    assert s.get(key(1)) is None and s.stats()["errors"] == 0
+
+
+def test_clear_in_the_down_window_still_tries_and_succeeds(redis_server: RedisServer) -> None:  # noqa: F811
+    s = RedisStore(redis_server.url, namespace="default", fingerprint=FP, retry_after_s=60.0)
+    assert s.put(key(1), make_block(1))
+    s._down_until = time.monotonic() + 60  # as after a blip: requests answer misses without asking
+    s.clear()
+    assert not s._client.exists(s._k(key(1)))

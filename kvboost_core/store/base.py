@@ -8,7 +8,7 @@ an interface so that quantized storage (int8/int4) slots in without the engine k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -52,6 +52,38 @@ class DensePayload:
 
     def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The KV shape every entry for one model and chunking must have. The disk and Redis tiers check each
+    entry against it before serving it (a forged entry of another shape is a miss, never an error in a
+    request) and derive their per-entry byte cap from it (see ``serialize.entry_cap``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_tokens: int  # the longest chunk the engine stores: chunk_size + boundary_window
+    dtype: torch.dtype = torch.float32  # the model's; dense entries may also be bf16 (kv_bits=16) or float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"KVGeometry.dtype must be a float dtype, got {self.dtype}")
+
+    @classmethod
+    def for_engine(cls, adapter: Any, config: Any) -> KVGeometry:
+        """From a ``ModelAdapter`` and an ``EngineConfig``."""
+        return cls(int(adapter.num_layers), int(adapter.num_kv_heads), int(adapter.head_dim),
+                   int(config.chunk_size) + int(config.boundary_window), adapter.dtype)
+
+    @property
+    def dense_dtypes(self) -> frozenset[torch.dtype]:
+        """What a dense entry may hold: the model's dtype, bf16 (``kv_bits=16``), float32 (other payloads)."""
+        return frozenset({self.dtype, torch.bfloat16, torch.float32})
 
 
 KINDS = ("content", "prefix", "repaired")

@@ -6,10 +6,18 @@ models can share a root. The 256 shards keep directories small. The parent link 
 that the index (sizes, access times, parent links) is rebuilt at start from a directory listing and one
 ``lstat`` per file, without opening any entry.
 
-Trust: a file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO named like an entry cannot
-redirect or block a read), must be a regular file no bigger than ``max_entry_bytes`` whose header declares
-exactly its size, and is then checked by :func:`~kvboost_core.store.serialize.parse_entry` (MAC, key,
-namespace, model, structure). Anything that fails is a miss, is deleted, and is logged once per key.
+Trust: the store's directory is opened once, component by component without following symlinks, and every
+shard and file below it is reached through directory descriptors (:mod:`.safe_io`): a model, namespace or shard
+directory that is a symlink is never followed (construction refuses one with a ValueError; later it is
+skipped), so ``clear()`` and eviction never reach another tenant's files. A file is opened with
+``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO named like an entry cannot redirect or block a read), must be
+a regular file no bigger than the entry cap whose header declares exactly its size and, given the model's
+:class:`~kvboost_core.store.base.KVGeometry`, tensors of its shape (checked before the payload is read), and
+is then checked by :func:`~kvboost_core.store.serialize.parse_entry` (MAC, key, namespace, model, structure).
+The cap is ``max_entry_bytes``, lowered to what the geometry's longest chunk can take
+(:func:`~kvboost_core.store.serialize.entry_cap`). A file that fails is a miss, is deleted, and is logged
+once per key; one that may be another reader's (a MAC this reader cannot check, a file over the cap, a longer
+chunk) is a miss, counted as ``skipped`` and left alone.
 
 Crash safety: a write goes to a temp file in the same shard, is flushed and fsynced, then ``os.replace``d over
 the final name and the shard is fsynced, so a reader sees the old entry, the new one, or none. A writer killed
@@ -30,14 +38,15 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvboost_core.keys import CacheKey
-from kvboost_core.store.base import KVBlock
-from kvboost_core.store.safe_io import pid_alive, read_entry_file
-from kvboost_core.store.serialize import CorruptEntry, dumps, parse_entry
+from kvboost_core.store.base import KVBlock, KVGeometry
+from kvboost_core.store.safe_io import open_store_dir, pid_alive, read_entry_file, subdir
+from kvboost_core.store.serialize import CorruptEntry, ForeignEntry, dumps, entry_cap, parse_entry
 from kvboost_core.store.trust import DropLog, resolve_secret, validate_fingerprint, validate_namespace
 
 logger = logging.getLogger("kvboost")
@@ -66,7 +75,7 @@ def _entry_name(key: CacheKey, parent: CacheKey | None) -> str:
 class DiskStore:
     def __init__(self, root: str | os.PathLike[str], max_bytes: int, fingerprint: str, *,
                  namespace: str = "default", secret: str | bytes | None = None, fsync: bool = True,
-                 max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES) -> None:
+                 max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, geometry: KVGeometry | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         if max_entry_bytes < 8:
@@ -76,9 +85,11 @@ class DiskStore:
         self._secret = resolve_secret(secret)
         self._root = Path(root)
         self._dir = self._root / self._fingerprint / self._namespace
-        self._dir.mkdir(parents=True, exist_ok=True)
+        self._fd = open_store_dir(self._root, (self._fingerprint, self._namespace))  # ValueError: a symlink
+        self._closer = weakref.finalize(self, os.close, self._fd)
+        self._geometry = geometry
         self._max_bytes = int(max_bytes)
-        self._max_entry_bytes = int(max_entry_bytes)
+        self._max_entry_bytes = min(int(max_entry_bytes), entry_cap(geometry) if geometry else max_entry_bytes)
         self._fsync = fsync
         self._index: dict[CacheKey, _DiskEntry] = {}
         self._shard_keys: defaultdict[str, set[CacheKey]] = defaultdict(set)
@@ -87,11 +98,11 @@ class DiskStore:
         self._heap: list[tuple[float, int, CacheKey]] = []
         self._seq = 0
         self._bytes = 0
-        self._counters = {"hits": 0, "misses": 0, "corrupt": 0, "evictions": 0, "write_errors": 0}
+        self._counters = {"hits": 0, "misses": 0, "corrupt": 0, "skipped": 0, "evictions": 0, "write_errors": 0}
         self._lock = threading.RLock()
         self._log_drop = DropLog(logger, "disk")
         with self._lock:
-            for e in os.scandir(self._dir):
+            for e in os.scandir(self._fd):
                 if _SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
                     self._list_shard(e.name, bulk=True)
             heapq.heapify(self._heap)  # once, not one push per file
@@ -106,24 +117,32 @@ class DiskStore:
         """This model's and namespace's own subdirectory: the only one this store reads, writes or clears."""
         return self._dir
 
+    def close(self) -> None:
+        """Release the directory descriptor (also done when the store is garbage collected)."""
+        self._closer()
+
     # -- listing (lock held) -------------------------------------------------------------------------------
     def _list_shard(self, shard: str, *, bulk: bool = False) -> None:
         """(Re)build the index of one shard from its listing: one lstat per new file, no file opened.
         ``bulk`` (start-up): heap records are appended unordered; the caller heapifies once at the end."""
-        sdir = self._dir / shard
-        try:
-            mtime = os.stat(sdir, follow_symlinks=False).st_mtime_ns
-            listing = list(os.scandir(sdir))
-        except OSError:
-            listing, mtime = [], 0
+        with subdir(self._fd, shard) as fd:  # None: gone, or a symlink (never followed)
+            try:
+                mtime = os.fstat(fd).st_mtime_ns if fd is not None else 0
+                listing = list(os.scandir(fd)) if fd is not None else []
+            except OSError:
+                listing, mtime = [], 0
+            self._index_listing(shard, fd, listing, mtime, bulk)
+
+    def _index_listing(self, shard: str, fd: int | None, listing: list[os.DirEntry[str]], mtime: int,
+                       bulk: bool) -> None:
         self._listed[shard] = (mtime, time.time_ns())
         now, seen = time.time(), set()
         keys = self._shard_keys[shard]
         for e in listing:
             m = _ENTRY.fullmatch(e.name)
             if m is None:
-                if _TEMP.fullmatch(e.name):
-                    self._clean_temp(e, now)
+                if _TEMP.fullmatch(e.name) and fd is not None:
+                    self._clean_temp(e, fd, now)
                 continue  # not ours: left alone
             if not e.name.startswith(shard):
                 continue
@@ -137,9 +156,11 @@ class DiskStore:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if not stat.S_ISREG(st.st_mode) or not 8 <= st.st_size <= self._max_entry_bytes:
-                self._discard(key, Path(e.path), None, "not a regular file of a plausible size")
+            if not stat.S_ISREG(st.st_mode) or st.st_size < 8:
+                self._discard(key, e.name, None, "not a regular file of a plausible size")
                 continue
+            if st.st_size > self._max_entry_bytes:
+                continue  # over this reader's cap, maybe another engine's (longer chunks): neither read nor deleted
             parent = CacheKey(bytes.fromhex(m.group(2))) if m.group(2) else None
             if known is not None or not bulk:
                 self._index_add(key, _DiskEntry(e.name, st.st_size, st.st_mtime, parent))
@@ -156,13 +177,13 @@ class DiskStore:
             for key in keys - seen:
                 self._index_drop(key)
 
-    def _clean_temp(self, e: os.DirEntry[str], now: float) -> None:
+    def _clean_temp(self, e: os.DirEntry[str], fd: int, now: float) -> None:
         m = _TEMP.fullmatch(e.name)
         assert m is not None
         try:
             stale = now - e.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
             if stale or not pid_alive(int(m.group(2))):
-                os.unlink(e.path)
+                os.unlink(e.name, dir_fd=fd)
         except OSError:
             pass  # already gone, or not ours to remove
 
@@ -173,9 +194,12 @@ class DiskStore:
             return entry
         shard = key.hex()[:2]
         try:
-            mtime = os.stat(self._dir / shard, follow_symlinks=False).st_mtime_ns
+            st = os.stat(shard, dir_fd=self._fd, follow_symlinks=False)
         except OSError:
             return None
+        if not stat.S_ISDIR(st.st_mode):  # a symlink planted as a shard: never listed
+            return None
+        mtime = st.st_mtime_ns
         listed = self._listed.get(shard)
         if listed is None or listed[0] != mtime or listed[1] - listed[0] < _SETTLE_NS:
             self._list_shard(shard)
@@ -191,20 +215,30 @@ class DiskStore:
             if entry is None:
                 self._counters["misses"] += 1
                 return None
-            path = self._path(entry.name)
+            name = entry.name
+        path = self._path(name)
         ino = None
         try:
-            data, ino = read_entry_file(path, self._max_entry_bytes)
+            with subdir(self._fd, name[:2]) as fd:
+                if fd is None:
+                    raise FileNotFoundError(path)
+                data, ino = read_entry_file(name, self._max_entry_bytes, dir_fd=fd, geometry=self._geometry)
             block = parse_entry(data, key=key, namespace=self._namespace, fingerprint=self._fingerprint,
-                                secret=self._secret)
+                                secret=self._secret, geometry=self._geometry)
         except FileNotFoundError:
             with self._lock:
                 if self._index.get(key) is entry:
                     self._index_drop(key)
                 self._counters["misses"] += 1
             return None
+        except ForeignEntry as e:
+            with self._lock:
+                self._counters["skipped"] += 1
+                self._counters["misses"] += 1
+            self._log_drop(f"{self._namespace}/{name}", f"skipped, not deleted: {e}")
+            return None
         except CorruptEntry as e:
-            self._discard(key, path, ino, str(e))
+            self._discard(key, name, ino, str(e))
             return None
         except OSError as e:
             logger.warning("kvboost disk tier: cannot read %s: %s", path, e)
@@ -239,49 +273,49 @@ class DiskStore:
             return False
         name = _entry_name(key, block.parent)
         path = self._path(name)
-        tmp = path.parent / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
-            path.parent.mkdir(exist_ok=True)
-            self._write_temp(tmp, data)
-            with self._lock:
-                self._evict_for(len(data), replacing=key)
-                os.replace(tmp, path)
-                self._fsync_dir(path.parent)
-                old = self._index.get(key)
-                if old is not None and old.name != name:  # same key, other parent link: one file per key
-                    self._unlink(self._path(old.name))
-                self._index_add(key, _DiskEntry(name, len(data), time.time(), block.parent))
-            return True
-        except OSError as e:
-            logger.warning("kvboost disk tier: write of %s failed: %s", path, e)
-            with self._lock:
-                self._counters["write_errors"] += 1
-            self._unlink(tmp)
-            return False
+        tmp = f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+        with subdir(self._fd, name[:2], create=True) as fd:
+            try:
+                if fd is None:
+                    raise NotADirectoryError(f"{path.parent} is a symlink or not a directory")
+                self._write_temp(fd, tmp, data)
+                with self._lock:
+                    self._evict_for(len(data), replacing=key)
+                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                    if self._fsync:
+                        os.fsync(fd)
+                    old = self._index.get(key)
+                    if old is not None and old.name != name:  # same key, other parent link: one file per key
+                        self._unlink(old.name)
+                    self._index_add(key, _DiskEntry(name, len(data), time.time(), block.parent))
+                return True
+            except OSError as e:
+                logger.warning("kvboost disk tier: write of %s failed: %s", path, e)
+                with self._lock:
+                    self._counters["write_errors"] += 1
+                if fd is not None:
+                    self._unlink(tmp, fd)
+                return False
 
-    def _write_temp(self, tmp: Path, data: bytes) -> None:
-        with open(tmp, "xb") as f:
+    def _write_temp(self, dir_fd: int, tmp: str, data: bytes) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o644, dir_fd=dir_fd)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             if self._fsync:
                 os.fsync(f.fileno())
 
-    def _fsync_dir(self, d: Path) -> None:
-        if not self._fsync:
-            return
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _unlink(path: Path) -> bool:
-        try:
-            path.unlink()
-            return True
-        except OSError:
-            return False
+    def _unlink(self, name: str, dir_fd: int | None = None) -> bool:
+        """Unlink ``name`` in its shard, through the shard's descriptor (never a path through a symlink)."""
+        if dir_fd is not None:
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+                return True
+            except OSError:
+                return False
+        with subdir(self._fd, name[:2]) as fd:
+            return fd is not None and self._unlink(name, fd)
 
     def delete(self, key: CacheKey) -> bool:
         with self._lock:
@@ -289,17 +323,18 @@ class DiskStore:
             if entry is None:
                 return False
             self._index_drop(key)
-            return self._unlink(self._path(entry.name)) or True
+            return self._unlink(entry.name) or True
 
     def clear(self) -> None:
         """Delete this model's and namespace's entries; other tenants' and models' directories are untouched."""
         with self._lock:
-            for shard in os.scandir(self._dir):
+            for shard in os.scandir(self._fd):
                 if not (_SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
                     continue
-                for e in os.scandir(shard.path):
-                    if _ENTRY.fullmatch(e.name):
-                        self._unlink(Path(e.path))
+                with subdir(self._fd, shard.name) as fd:  # None: swapped for a symlink meanwhile
+                    for e in os.scandir(fd) if fd is not None else ():
+                        if _ENTRY.fullmatch(e.name):
+                            self._unlink(e.name, fd)
             self._index.clear()
             self._shard_keys.clear()
             self._listed.clear()
@@ -372,26 +407,24 @@ class DiskStore:
                 continue
             self._index_drop(rec[2])
             self._counters["evictions"] += 1
-            self._unlink(self._path(entry.name))
+            self._unlink(entry.name)
         for rec in spared:
             heapq.heappush(self._heap, rec)
 
-    @staticmethod
-    def _same_file(path: Path, ino: int) -> bool:
-        """Is ``path`` still the file we read? (Not deleted or replaced meanwhile.)"""
-        try:
-            return os.stat(path, follow_symlinks=False).st_ino == ino
-        except OSError:
-            return False
-
-    def _discard(self, key: CacheKey, path: Path, ino: int | None, reason: str) -> None:
+    def _discard(self, key: CacheKey, name: str, ino: int | None, reason: str) -> None:
         """Delete a bad entry — unless it was replaced by a fresh file since we read it (``ino`` differs)."""
         with self._lock:
             self._counters["corrupt"] += 1
             self._counters["misses"] += 1
             entry = self._index.get(key)
-            if entry is not None and self._path(entry.name) == path:
+            if entry is not None and entry.name == name:
                 self._index_drop(key)
-            if ino is None or self._same_file(path, ino):
-                self._unlink(path)
-        self._log_drop(f"{self._namespace}/{path.name}", reason)
+            with subdir(self._fd, name[:2]) as fd:
+                if fd is not None:
+                    try:
+                        same = ino is None or os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
+                    except OSError:
+                        same = False
+                    if same:
+                        self._unlink(name, fd)
+        self._log_drop(f"{self._namespace}/{name}", reason)

@@ -9,7 +9,9 @@ Accepted specs:
   * an object that already implements KVStore: returned as is.
 
 ``secret`` authenticates disk and Redis entries (HMAC-SHA256); None reads ``$KVBOOST_STORE_SECRET``, and
-without either entries are integrity-checked only (see :mod:`kvboost_core.store.trust`).
+without either entries are integrity-checked only (see :mod:`kvboost_core.store.trust`). ``geometry`` (the
+model's KV shape, :class:`~kvboost_core.store.base.KVGeometry`) makes the disk and Redis tiers refuse entries
+of another shape and caps what they read per entry.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from kvboost_core.config import parse_bytes, validate_namespace
-from kvboost_core.store.base import KVStore
+from kvboost_core.store.base import KVGeometry, KVStore
 from kvboost_core.store.memory import MemoryStore
 from kvboost_core.store.trust import resolve_secret
 
@@ -49,7 +51,8 @@ def _kind(spec: str) -> str:
     raise _bad(spec)
 
 
-def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str, secret: bytes | None) -> KVStore:
+def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str, secret: bytes | None,
+               geometry: KVGeometry | None) -> KVStore:
     kind = _kind(spec)
     if kind == "memory":
         return MemoryStore(max_bytes, namespace=namespace)
@@ -64,15 +67,15 @@ def _build_one(spec: str, *, max_bytes: int, fingerprint: str, namespace: str, s
         if unknown:
             raise _bad(spec, f"unknown disk options {sorted(unknown)}")
         budget = parse_bytes(opts["max_bytes"]) if "max_bytes" in opts else 4 * max_bytes
-        return DiskStore(path, budget, fingerprint, namespace=namespace, secret=secret)
+        return DiskStore(path, budget, fingerprint, namespace=namespace, secret=secret, geometry=geometry)
     from kvboost_core.store.redis_tier import RedisStore, split_ttl
 
     url, ttl = split_ttl(spec)
-    return RedisStore(url, namespace=namespace, fingerprint=fingerprint, ttl_s=ttl, secret=secret)
+    return RedisStore(url, namespace=namespace, fingerprint=fingerprint, ttl_s=ttl, secret=secret, geometry=geometry)
 
 
 def build_store(spec: Any, *, max_bytes: int, fingerprint: str, namespace: str,
-                secret: str | bytes | None = None) -> KVStore:
+                secret: str | bytes | None = None, geometry: KVGeometry | None = None) -> KVStore:
     if is_kv_store(spec):
         return spec  # type: ignore[no-any-return]
     validate_namespace(namespace)
@@ -93,9 +96,10 @@ def build_store(spec: Any, *, max_bytes: int, fingerprint: str, namespace: str,
     if "memory" not in kinds:
         specs, kinds = ["memory", *specs], ["memory", *kinds]
     if len(specs) == 1:
-        return _build_one(specs[0], max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace, secret=key)
+        return _build_one(specs[0], max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace, secret=key,
+                          geometry=geometry)
     ordered = [s for _, s in sorted(zip(kinds, specs, strict=True), key=lambda ks: _ORDER[ks[0]])]
     from kvboost_core.store.tiered import TieredStore
 
     return TieredStore([_build_one(s, max_bytes=max_bytes, fingerprint=fingerprint, namespace=namespace,
-                                   secret=key) for s in ordered])
+                                   secret=key, geometry=geometry) for s in ordered])

@@ -3,13 +3,26 @@
 Keys: ``kvboost:{namespace}:{fingerprint}:{key hex}``; the children of a parent live in a SET at
 ``kvboost:{namespace}:{fingerprint}:children:{parent hex}``. Both take the optional TTL.
 
-Redis being down or slow must never take the engine down: every operation catches connection errors and
-timeouts (``socket_timeout`` 0.5 s by default), answers a miss / False / no-op, and warns once per outage.
-After a failure the tier stays "down" for ``retry_after_s`` so that each request does not pay the timeout.
+Redis being down or slow must never take the engine down: every request-path operation (get, put, contains,
+delete, children) catches connection errors and timeouts (``socket_timeout`` 0.5 s by default), answers a miss /
+False, and warns once per outage. After a failure the tier stays "down" for ``retry_after_s`` so that each
+request does not pay the timeout. ``clear()`` is the exception: it is an explicit administrative call, so it
+always tries the server and raises :class:`RedisClearError` when it could not delete every key (an outage, a
+missing permission) instead of returning as if the cache were empty.
+
+Commands the tier needs (grant them to its ACL user, for keys ``kvboost:*``): GET, SET, DEL, EXISTS, STRLEN,
+SADD, SREM, SMEMBERS, PEXPIRE, SCAN, EVAL, EVALSHA, SCRIPT LOAD, MULTI, EXEC (:data:`REQUIRED_COMMANDS`; e.g.
+``ACL SETUSER kv on >pw ~kvboost:* +get +set +del +exists +strlen +sadd +srem +smembers +pexpire +scan +eval
++evalsha +script|load +multi +exec``). STRLEN, GET and DEL also run inside the tier's Lua scripts, where ACLs
+apply too. Construction probes them on a throwaway key and raises PermissionError naming the ones the user may
+not run; a server unreachable at construction is probed at no later point, but a permission error during
+operation is logged at ERROR with the same list instead of being treated as an outage.
 
 Trust: any client of the server can write any key, so every value goes through
-:func:`~kvboost_core.store.serialize.parse_entry` (structure, key, namespace, model, MAC); a value that fails is a
-miss and is unlinked. Only a deployment secret (``secret=`` / ``KVBOOST_STORE_SECRET``) stops a client that can
+:func:`~kvboost_core.store.serialize.parse_entry` (structure, key, namespace, model, MAC, and the model's KV
+shape when the tier has a :class:`~kvboost_core.store.base.KVGeometry`); a value that fails is a miss and is
+unlinked, except one that may be another reader's (a MAC this reader cannot check, a value over the entry cap
+or a chunk longer than this engine's): a miss, counted as ``skipped``, left in place. Only a deployment secret (``secret=`` / ``KVBOOST_STORE_SECRET``) stops a client that can
 write to the server from forging entries another tenant will serve; without one this tier logs a warning.
 Namespaces and fingerprints come from a fixed character set and ``clear()`` matches an escaped literal prefix,
 so no tenant's name can act as a glob over another's keys.
@@ -26,13 +39,14 @@ import logging
 import re
 import threading
 import time
+import uuid
 import warnings
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvboost_core.keys import CacheKey
-from kvboost_core.store.base import KVBlock
-from kvboost_core.store.serialize import CorruptEntry, dumps, parse_entry
+from kvboost_core.store.base import KVBlock, KVGeometry
+from kvboost_core.store.serialize import CorruptEntry, ForeignEntry, dumps, entry_cap, parse_entry
 from kvboost_core.store.trust import (
     SECRET_ENV,
     DropLog,
@@ -47,8 +61,23 @@ _warned_no_secret = False
 _HEX_KEY = re.compile(rb"[0-9a-f]{32}")
 
 
+REQUIRED_COMMANDS = ("GET", "SET", "DEL", "EXISTS", "STRLEN", "SADD", "SREM", "SMEMBERS", "PEXPIRE", "SCAN", "EVAL",
+                     "EVALSHA", "SCRIPT LOAD", "MULTI", "EXEC")
+
+
+class RedisClearError(RuntimeError):
+    """``RedisStore.clear()`` could not delete this namespace's keys (the server is unreachable, or the user
+    lacks a command): some or all of them remain."""
+
+
 def _wrong_type(err: BaseException) -> bool:
     return "WRONGTYPE" in str(err)  # a pipeline prefixes "Command # n (...) of pipeline caused error: "
+
+
+def _no_permission(err: BaseException) -> bool:
+    # NOPERM for a command sent directly; inside a Lua script Redis answers "can't run this command"
+    text = str(err)
+    return "no permissions to run" in text or "NOPERM" in text or "can't run this command" in text
 
 
 def glob_escape(literal: str) -> str:
@@ -135,7 +164,7 @@ class RedisStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, namespace: str, fingerprint: str,
                  ttl_s: float | None = None, socket_timeout: float = 0.5, retry_after_s: float = 2.0,
                  client: Any = None, secret: str | bytes | None = None,
-                 max_entry_bytes: int = 256 * 1024**2) -> None:
+                 max_entry_bytes: int = 256 * 1024**2, geometry: KVGeometry | None = None) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         validate_namespace(namespace)
@@ -160,16 +189,67 @@ class RedisStore:
         self._down_until = 0.0
         self._warned = False
         self._lock = threading.Lock()  # guards the counters and the outage state; redis-py's pool is safe
-        self._counters = {"hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "puts": 0}
+        self._counters = {"hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "skipped": 0, "puts": 0}
         self._log_drop = DropLog(logger, "redis")
-        self._max_entry_bytes = int(max_entry_bytes)
+        self._geometry = geometry
+        self._max_entry_bytes = min(int(max_entry_bytes), entry_cap(geometry) if geometry else max_entry_bytes)
         self._get_bounded = self._client.register_script(_GET_BOUNDED)
+        self._denied_logged = False
+        self._probe()
+
+    # -- permissions ---------------------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """Run every command the tier needs once, on a throwaway key under its own prefix (expires in 10 s):
+        PermissionError naming those the server refuses. An unreachable server is left to the first request,
+        which reports the outage as usual (nothing is warned or marked down here)."""
+        probe, kids = f"{self._prefix}probe:{uuid.uuid4().hex}", f"{self._prefix}children:probe"
+        c = self._client
+        steps: list[tuple[tuple[str, ...], Any]] = [
+            (("SET",), lambda: c.set(probe, b"", px=10_000)),
+            (("EXISTS",), lambda: c.exists(probe)),
+            (("SADD",), lambda: c.sadd(kids, "probe")),
+            (("PEXPIRE",), lambda: c.pexpire(kids, 10_000)),
+            (("SMEMBERS",), lambda: c.smembers(kids)),
+            (("SREM",), lambda: c.srem(kids, "probe")),
+            (("SCAN",), lambda: c.scan(0, match=glob_escape(probe), count=10)),
+            (("EVALSHA", "SCRIPT LOAD", "STRLEN", "GET"), lambda: self._get_bounded(keys=[probe], args=[1 << 20])),
+            (("EVAL", "GET"), lambda: c.eval(_DEL_IF_EQUAL, 1, probe, "0" * 40)),
+            (("MULTI", "EXEC"), lambda: c.pipeline(transaction=True).exists(probe).execute()),
+            (("DEL",), lambda: c.delete(probe, kids)),
+        ]
+        denied: list[str] = []
+        for names, run in steps:
+            try:
+                run()
+            except self._errors as e:
+                if not _no_permission(e):
+                    logger.debug("kvboost redis tier at %s: permission probe skipped (%s)", self._url,
+                                 type(e).__name__)
+                    return
+                text = str(e).lower()
+                if "can't run this command" in text:  # refused inside a Lua script: one of the script's commands
+                    shown = [n for n in names if n in ("STRLEN", "GET", "DEL")] or list(names)
+                else:  # "no permissions to run the 'eval' command"
+                    shown = [n for n in names if f"'{n.split()[0].lower()}'" in text] or list(names)
+                denied += [n for n in shown if n not in denied]
+        if denied:
+            raise PermissionError(f"kvboost redis tier at {self._url}: the Redis user may not run "
+                                  f"{', '.join(denied)}; the tier needs {', '.join(REQUIRED_COMMANDS)} on keys "
+                                  "kvboost:* (see kvboost_core.store.redis_tier)")
+
+    def _log_denied(self, op: str, err: BaseException) -> None:
+        if not self._denied_logged:
+            self._denied_logged = True
+            logger.error("kvboost redis tier at %s: %s refused by the server's ACL (%s); the tier needs %s",
+                         self._url, op, scrub(str(err), self._secrets), ", ".join(REQUIRED_COMMANDS))
 
     # -- outage handling -----------------------------------------------------------------------------------
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
 
     def _failed(self, op: str, err: BaseException) -> None:
+        if _no_permission(err):
+            self._log_denied(op, err)
         with self._lock:
             self._counters["errors"] += 1
             self._down_until = time.monotonic() + self._retry_after_s
@@ -217,12 +297,19 @@ class RedisStore:
             self._count("misses")
             return None
         if isinstance(data, int):  # the value's length, returned instead of a value over the cap
-            self._drop_key(self._k(key), f"{data} bytes is over the {self._max_entry_bytes}-byte entry cap")
+            # maybe another engine's (longer chunks): not fetched, not deleted
+            self._log_drop(self._k(key), f"skipped: {data} bytes is over the {self._max_entry_bytes}-byte entry cap")
+            self._count("skipped")
             self._count("misses")
             return None
         try:
             block = parse_entry(data, key=key, namespace=self._namespace, fingerprint=self._fingerprint,
-                                secret=self._secret)
+                                secret=self._secret, geometry=self._geometry)
+        except ForeignEntry as e:
+            self._log_drop(self._k(key), f"skipped, not deleted: {e}")
+            self._count("skipped")
+            self._count("misses")
+            return None
         except CorruptEntry as e:
             self._log_drop(self._k(key), str(e))
             self._count("corrupt")
@@ -334,9 +421,9 @@ class RedisStore:
         return [CacheKey(bytes.fromhex(m)) for m, a in zip(members, alive, strict=True) if a]
 
     def clear(self) -> None:
-        """Delete this namespace+fingerprint's keys (never other tenants' or other models')."""
-        if not self._available():
-            return
+        """Delete this namespace+fingerprint's keys (never other tenants' or other models'). Tried even while
+        the tier is marked down; raises :class:`RedisClearError` when the server could not be cleared (an
+        outage, a refused command): a caller that asked to drop the cache must not believe it is empty."""
         try:
             batch: list[bytes] = []
             prefix = self._prefix.encode()
@@ -352,7 +439,9 @@ class RedisStore:
                 self._client.delete(*batch)
         except self._errors as e:
             self._failed("clear", e)
-            return
+            raise RedisClearError(f"kvboost redis tier at {self._url}: clear() failed "
+                                  f"({scrub(repr(e), self._secrets)}); keys under {self._prefix!r} may remain"
+                                  ) from None
         self._recovered()
 
     def stats(self) -> dict[str, int]:

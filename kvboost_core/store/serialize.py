@@ -7,8 +7,12 @@ context digest, payload type/bits/group/true sizes, the format version, and ``ta
 secret, an integrity hash) over the canonical header and the tensor bytes, see :mod:`.trust`.
 
 :func:`parse_entry` is the one validation boundary for bytes read from disk or Redis: whatever is wrong with
-them (bad JSON, wrong types, offsets out of range, wrong dtype or shape, a length mismatch, a bad tag, another
-key/namespace/model, an unknown kind) it raises :class:`CorruptEntry` and nothing else.
+them (bad JSON, wrong types, offsets out of range, wrong dtype or shape, a shape that does not fit the model's
+:class:`~kvboost_core.store.base.KVGeometry`, a length mismatch, a bad tag, another key/namespace/model, an
+unknown kind) it raises :class:`CorruptEntry` and nothing else. Its subclass :class:`ForeignEntry` marks an
+entry that may be valid for *another* reader (a MAC this reader cannot check: no secret, or another one; an
+intact unkeyed entry when this reader requires a MAC; a chunk longer than this engine's chunks): the tiers
+never serve it and never delete it, so one misconfigured replica cannot wipe a shared cache.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from kvboost_core.keys import CacheKey, Fingerprint
-from kvboost_core.store.base import KINDS, DensePayload, KVBlock
+from kvboost_core.store.base import KINDS, DensePayload, KVBlock, KVGeometry
 from kvboost_core.store.trust import entry_tag, tags_equal
 
 FORMAT_VERSION = "2"
@@ -44,6 +48,53 @@ _DIGEST = re.compile(r"(?:[0-9a-f]{32}){0,2}")  # b"", 16 or 32 bytes
 
 class CorruptEntry(Exception):
     """A stored entry that must not be served: truncated, malformed, unauthenticated, foreign, or unreadable."""
+
+
+class ForeignEntry(CorruptEntry):
+    """An entry this reader must not serve but must not delete either: it may be another reader's (a MAC under
+    a secret this reader does not hold, an unkeyed entry when this reader requires a MAC, a longer chunk)."""
+
+
+# K+V bytes per (layer, head, token, channel), worst case over the payloads a writer produces: dense float32 is
+# 8; int8 with group size 1 is 10 (codes 2, fp16 scale and min 4 each for K's and V's groups).
+_MAX_ELEMENT_BYTES = 10
+
+
+def entry_cap(geometry: KVGeometry) -> int:
+    """The largest entry a writer for ``geometry`` produces: the size prefix, a header of at most
+    HEADER_LIMIT, the K/V of ``max_tokens`` tokens in the widest payload, and the token ids."""
+    per = max(_MAX_ELEMENT_BYTES, 2 * max(d.itemsize for d in geometry.dense_dtypes))
+    elems = geometry.num_layers * geometry.num_kv_heads * geometry.max_tokens * geometry.head_dim
+    return 8 + HEADER_LIMIT + per * elems + 8 * geometry.max_tokens
+
+
+def check_geometry(header: dict[str, Any], geometry: KVGeometry) -> None:
+    """The declared tensors fit the model (from the header alone: before any payload byte is read).
+    CorruptEntry when they cannot be this model's; ForeignEntry for a chunk longer than this engine's."""
+    ids = header.get("token_ids")
+    if not isinstance(ids, dict) or len(ids["shape"]) != 1:
+        raise CorruptEntry("token_ids must be one (n,) tensor")
+    n = ids["shape"][0]
+    if n > geometry.max_tokens:
+        raise ForeignEntry(f"{n} tokens: longer than this engine's chunks ({geometry.max_tokens} at most)")
+    lhn = [geometry.num_layers, geometry.num_kv_heads, n]
+    d = geometry.head_dim
+    names = set(header) - {"__metadata__"}
+    if names == _TENSORS["dense"]:
+        allowed = {_DTYPES[t] for t in geometry.dense_dtypes}
+        for t in ("k", "v"):
+            if header[t]["shape"] != [*lhn, d] or header[t]["dtype"] not in allowed:
+                raise CorruptEntry(f"dense {t} is {header[t]['dtype']} {header[t]['shape']}; this model's KV is "
+                                   f"(L, H, n, D) = {(*lhn, d)} in {sorted(allowed)}")
+    elif names == _TENSORS["quant"]:
+        if header["__metadata__"].get("head_dim") != str(d):
+            raise CorruptEntry(f"quantized head_dim {header['__metadata__'].get('head_dim')!r}; this model's is {d}")
+        for t in ("k_codes", "v_codes"):
+            shape = header[t]["shape"]
+            if len(shape) != 4 or shape[:3] != lhn or shape[3] not in (d, math.ceil(d / 2)):
+                raise CorruptEntry(f"{t} is {shape}; this model's KV is (L, H, n, D) = {(*lhn, d)}")
+    else:
+        raise CorruptEntry(f"tensors {sorted(names)} are neither a dense nor a quantized payload")
 
 
 def _payload_tensors(payload: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -140,30 +191,50 @@ def parse_header(head: bytes | memoryview) -> tuple[dict[str, Any], int]:
 
 
 def parse_entry(data: bytes | memoryview, *, key: CacheKey, namespace: str, fingerprint: str,
-                secret: bytes | None) -> KVBlock:
-    """Bytes read from a tier -> a block fit to serve ``key`` to (``namespace``, ``fingerprint``), or
-    CorruptEntry. No other exception escapes: this is the trust boundary for disk and Redis."""
+                secret: bytes | None, geometry: KVGeometry | None = None) -> KVBlock:
+    """Bytes read from a tier -> a block fit to serve ``key`` to (``namespace``, ``fingerprint``) and, when
+    given, of ``geometry``'s shape; or CorruptEntry (ForeignEntry: not this reader's to delete). No other
+    exception escapes: this is the trust boundary for disk and Redis."""
     try:
-        return _parse(memoryview(data), key, namespace, fingerprint, secret)
+        return _parse(memoryview(data), key, namespace, fingerprint, secret, geometry)
     except CorruptEntry:
         raise
     except Exception as e:  # noqa: BLE001 - any defect in untrusted bytes is a miss, never a crash
         raise CorruptEntry(f"malformed entry: {type(e).__name__}: {e}") from e
 
 
-def _parse(data: memoryview, key: CacheKey, namespace: str, fingerprint: str, secret: bytes | None) -> KVBlock:
+def _check_tag(tag: str, header: dict[str, Any], payload: memoryview, key: CacheKey, namespace: str,
+               fingerprint: str, secret: bytes | None) -> None:
+    """The entry's tag against this reader's: CorruptEntry when the entry is provably damaged or not ours,
+    ForeignEntry when it may be another reader's (keyed under a secret we lack, or unkeyed and intact)."""
+    def tag_for(s: bytes | None) -> str:
+        return entry_tag(s, key=key, namespace=namespace, fingerprint=fingerprint, header=_canonical(header),
+                         data=payload)
+
+    if tags_equal(tag, tag_for(secret)):
+        return
+    scheme = tag.partition(":")[0]
+    if scheme == "hmac-sha256":  # a wrong secret and a damaged entry look alike: not ours to judge
+        raise ForeignEntry("MAC does not verify under this reader's secret" if secret is not None
+                           else "keyed entry, and this reader has no store secret to check it")
+    if scheme == "xxh3" and secret is not None:
+        if tags_equal(tag, tag_for(None)):
+            raise ForeignEntry("unkeyed entry (written without a store secret); this reader requires a MAC")
+        raise CorruptEntry("integrity hash does not match")
+    raise CorruptEntry("integrity hash does not match" if scheme == "xxh3" else f"unknown tag scheme {scheme!r}")
+
+
+def _parse(data: memoryview, key: CacheKey, namespace: str, fingerprint: str, secret: bytes | None,
+           geometry: KVGeometry | None) -> KVBlock:
     header, size = parse_header(data)
     if size != len(data):
         raise CorruptEntry(f"size {len(data)} != {size} declared by the header (truncated?)")
     meta: dict[str, str] = header["__metadata__"]
     check_meta(meta, key, namespace, fingerprint)
+    if geometry is not None:
+        check_geometry(header, geometry)
     data_start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
-    want = entry_tag(secret, key=key, namespace=namespace, fingerprint=fingerprint, header=_canonical(header),
-                     data=data[data_start:])
-    if not tags_equal(meta["tag"], want):
-        scheme = meta["tag"].partition(":")[0]
-        why = "bad MAC" if scheme == want.partition(":")[0] else f"tag scheme {scheme!r} is not accepted here"
-        raise CorruptEntry(why)
+    _check_tag(meta["tag"], header, data[data_start:], key, namespace, fingerprint, secret)
     names = _TENSORS.get(meta["payload"])
     if names is None or set(header) - {"__metadata__"} != names:
         raise CorruptEntry(f"payload {meta['payload']!r} with tensors {sorted(set(header) - {'__metadata__'})}")
