@@ -147,7 +147,8 @@ class KVEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | None = None, dtype: Any = None,
-                        model_kwargs: dict | None = None, **config_kwargs: Any) -> KVEngine:
+                        model_kwargs: dict | None = None, tokenizer_name: str | None = None,
+                        **config_kwargs: Any) -> KVEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from kvboost_core import zoo
@@ -158,15 +159,15 @@ class KVEngine:
             name_or_path = zoo.resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = _resolve_dtype(dtype, device)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or name_or_path)
+        # the caller's model_kwargs override these defaults (dtype, attn_implementation), as in HF pipelines
+        load_kw = {"dtype": torch_dtype, "attn_implementation": "sdpa", **(model_kwargs or {})}
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
-                                                         attn_implementation="sdpa", **(model_kwargs or {}))
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **load_kw)
         except ValueError as e:  # families without an SDPA path (Gemma 2) load with eager attention
-            if "scaled_dot_product_attention" not in str(e):
+            if "scaled_dot_product_attention" not in str(e) or "attn_implementation" in (model_kwargs or {}):
                 raise
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
-                                                         attn_implementation="eager", **(model_kwargs or {}))
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **{**load_kw, "attn_implementation": "eager"})
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
             from kvboost_core.calibrate import load_defaults

@@ -23,14 +23,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvboost_core import Segment
+from kvboost_core.decode import StopGeneration
 from kvboost_core.engine import KVEngine
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import lead_token_ids
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
+from kvboost_rag.options import check_engine_kwargs, load_device, model_kwargs_of
 from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, assemble, doc_key
+from kvboost_rag.toolcalls import chat_inputs
 from kvboost_rag.warming import WarmReport, warm_documents
+
+# A tool to render in can_call_tools' probe.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
 @dataclass(slots=True)
@@ -86,13 +93,16 @@ class KVBoostRAG:
         self._tok_lock = getattr(engine, "tokenizer_lock", None) or threading.Lock()
         self._offsets = bool(getattr(self.tokenizer, "is_fast", False))  # slow tokenizers give no offsets
         self._lead = tuple(lead_token_ids(self.tokenizer))
+        self._tools_probe: dict[str, bool] = {}  # chat template -> whether tools render (can_call_tools)
 
     @classmethod
-    def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
+    def from_model_id(cls, model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
+                      model_kwargs: dict | None = None, tokenizer_name: str | None = None,
                       transparent: bool = True, preserve_order: bool = False, auto_warm: bool = False,
                       **engine_kwargs: Any) -> KVBoostRAG:
-        """Load a HuggingFace causal LM (a hub id or a local path) and wrap it."""
-        engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, **engine_kwargs)
+        """Load a HuggingFace causal LM (a hub id or a local path) and wrap it (see :func:`load_engine`)."""
+        engine = load_engine(model_id, device=device, dtype=dtype, device_map=device_map,
+                             model_kwargs=model_kwargs, tokenizer_name=tokenizer_name, **engine_kwargs)
         return cls(engine, transparent=transparent, preserve_order=preserve_order, auto_warm=auto_warm)
 
     # ------------------------------------------------------------------ tokenizer
@@ -134,6 +144,23 @@ class KVBoostRAG:
         with self._tok_lock:
             return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                           **extra))
+
+    def can_call_tools(self) -> bool:
+        """Whether chat calls with tools render with this tokenizer: its template renders ``tools`` itself or
+        takes them described in a system message (:func:`kvboost_rag.toolcalls.chat_inputs`). Probed by
+        rendering once per template, since some templates refuse a system message."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            return False
+        key = repr(template)
+        if key not in self._tools_probe:
+            probe = [{"role": "user", "content": "hi"}]
+            try:
+                self.chat_prompt(*chat_inputs(self.tokenizer, probe, [_PROBE_TOOL]))
+                self._tools_probe[key] = True
+            except Exception:  # noqa: BLE001 - a user template may raise anything (jinja, ValueError, ...)
+                self._tools_probe[key] = False
+        return self._tools_probe[key]
 
     def chat_add_special_tokens(self, prompt: str) -> bool:
         """Whether to add BOS when tokenizing a rendered chat prompt: not when the template wrote it already
@@ -254,3 +281,95 @@ class KVBoostRAG:
             stats = self._record(stream.result, plan, plan_s)
             if on_result is not None:
                 on_result(stream.result, stats)
+
+
+def load_engine(model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
+                model_kwargs: dict | None = None, tokenizer_name: str | None = None, owner: str = "KVBoostRAG",
+                **engine_kwargs: Any) -> KVEngine:
+    """``KVEngine.from_pretrained`` with the keywords HF's wrappers take, all checked before the weights load.
+
+    ``device``: a str, a ``torch.device``, or an int as in HF pipelines (-1: the CPU, n: ``cuda:n``);
+    ``device_map``: "auto" (cuda when available, else the CPU) or one device (a map splitting the model over
+    devices is refused: the KV cache is assembled on one); ``model_kwargs`` go to ``from_pretrained`` over
+    kvboost's defaults (``dtype``/``torch_dtype`` and ``attn_implementation`` included; ``device_map`` in them
+    counts as ``device_map=``); ``tokenizer_name``: load the tokenizer from elsewhere (HuggingFaceLLM's).
+    ``engine_kwargs`` are EngineConfig fields: an unknown one is a TypeError before anything loads."""
+    check_engine_kwargs(engine_kwargs, owner=owner)
+    kwargs, mapped = model_kwargs_of(model_kwargs)
+    if device_map is not None and mapped is not None and device_map != mapped:
+        raise ValueError(f"device_map={device_map!r} and model_kwargs['device_map']={mapped!r} differ; pass one")
+    target = load_device(device, device_map if device_map is not None else mapped)
+    if dtype is not None and "dtype" in kwargs and kwargs["dtype"] != dtype:
+        raise ValueError(f"dtype={dtype!r} and model_kwargs dtype={kwargs['dtype']!r} differ; pass one")
+    if tokenizer_name is not None and (not isinstance(tokenizer_name, str) or not tokenizer_name):
+        raise TypeError(f"tokenizer_name must be a hub id or a local path (str), got {tokenizer_name!r}")
+    extra = {"tokenizer_name": tokenizer_name} if tokenizer_name not in (None, model_id) else {}
+    return KVEngine.from_pretrained(model_id, device=target, dtype=dtype, model_kwargs=kwargs or None, **extra,
+                                    **engine_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- per-call reports
+# What the framework skins report of each call: LangChain's response_metadata["kvboost"] / generation_info,
+# LlamaIndex's additional_kwargs["kvboost"]. The call's own figures, never the adapter's last_stats (calls may
+# run concurrently).
+CALL_INFO_KEYS = ("ttft_s", "reuse_ratio", "reused_exact", "reused_approx", "reused_repaired", "recomputed",
+                  "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_recomputed", "documents",
+                  "documents_not_warmed", "prompt_tokens", "output_tokens", "mode")
+
+
+def call_info(result: GenerationResult | None) -> dict[str, Any]:
+    """The call's figures (:data:`CALL_INFO_KEYS` of its stats); ``engine_finish_reason`` is the engine's own
+    reason: "eos", "stop" (a stop string, a stop token, or a constrained value completed) or "length"."""
+    if result is None:
+        return {}
+    stats = result.stats or {}
+    info = {k: stats[k] for k in CALL_INFO_KEYS if k in stats}
+    info["engine_finish_reason"] = result.finish_reason
+    return info
+
+
+def openai_finish_reason(result: GenerationResult | None, tool_calls: bool = False) -> str | None:
+    """The engine's finish reason in OpenAI's words: "tool_calls" when the reply holds parsed tool calls,
+    "length" when the token budget ran out, else "stop" (an end-of-sequence token or a stop string)."""
+    if result is None:
+        return None
+    if tool_calls:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage_counts(result: GenerationResult | None) -> dict[str, int]:
+    """Token counts of one call: ``input_tokens``, ``output_tokens``, ``total_tokens``, and of the prompt's
+    tokens those whose KV was read from the cache and used as is (not recomputed):
+
+    - ``cache_read``: exact reuse only (a prefix KV hit, identical to computing it), the meaning OpenAI and
+      LangChain give cached tokens: a reply with them equals one without.
+    - ``cache_read_approximate``: re-placed document KV (and KV of an earlier repaired prefill) kept without
+      recompute. It saves the same compute but is an approximation of the full prefill, so it is never
+      counted in ``cache_read``; tokens repair recomputed are in neither.
+    """
+    if result is None:
+        return {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "cache_read": 0,
+                "cache_read_approximate": 0}
+    stats = result.stats or {}
+    n_in, n_out = len(result.prompt_token_ids), len(result.token_ids)
+    approx = int(stats.get("reused_approx", 0)) + int(stats.get("reused_repaired", 0))
+    return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
+            "cache_read": int(stats.get("reused_exact", 0)), "cache_read_approximate": approx}
+
+
+class StopOnTokens:
+    """A ``logits_processor`` that ends generation once the last generated token is one of ``ids``
+    (HuggingFaceLLM's ``stopping_ids``: the token stays in the output, as there; ``finish_reason`` is
+    "stop"). The engine asks the processor before sampling, so stopping costs one decode step whose
+    logits are discarded."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = frozenset(int(i) for i in ids)
+
+    def __call__(self, generated_ids: list[int], logits: Any) -> Any:
+        if generated_ids and generated_ids[-1] in self.ids:
+            raise StopGeneration
+        return logits

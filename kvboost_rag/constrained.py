@@ -53,10 +53,23 @@ _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
-    from kvboost_rag._lazy import require
+GRAMMAR_HINT = ("pip install 'kvboost-rag[langchain]' (or [llamaindex] or [structured], which include it; "
+                "or pip install llguidance)")
 
-    require("llguidance")
+
+def require_grammar(feature: str) -> None:
+    """ImportError with the install hint unless llguidance (the grammar engine) is importable. The
+    integrations call it when a forced tool call or structured output is bound, so a missing install fails
+    there rather than at the first call."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"{feature} is decoded under a grammar, which needs llguidance; install it with "
+                          f"`{GRAMMAR_HINT}`") from exc
+
+
+def _ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
+    require_grammar("constrained decoding")
     import llguidance.hf
 
     with _LOCK:
@@ -109,9 +122,7 @@ class JsonConstraint:
 
     def __init__(self, tokenizer: Any, n_vocab: int, schema: dict[str, Any] | None,
                  budget: int | None = None, *, lark: str | None = None) -> None:
-        from kvboost_rag._lazy import require
-
-        require("llguidance")
+        require_grammar("constrained decoding")
         import llguidance
         import llguidance.torch as lt
 

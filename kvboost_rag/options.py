@@ -3,8 +3,11 @@
 One policy for both LangChain and LlamaIndex: a per-call keyword argument that neither the engine nor the
 framework itself uses is a ``TypeError`` naming it (a silently ignored ``top_k=5`` looks like it worked).
 ``from_model_id`` accepts what a user migrating from ``HuggingFacePipeline`` / ``HuggingFaceLLM`` passes:
-``task=`` and ``pipeline_kwargs=`` (mapped where kvboost has the same knob, refused with the replacement
-otherwise).
+``task=``, ``pipeline_kwargs=`` and ``generate_kwargs=`` (mapped where kvboost has the same knob, refused with
+the replacement otherwise), ``device`` as HF pipelines spell it (-1 for the CPU, n for ``cuda:n``), a
+``device_map`` that names one device, ``model_kwargs`` that override kvboost's loading defaults (``dtype``,
+``attn_implementation``) and ``stopping_ids``. Engine options are checked before the weights load, so a typo
+fails at once.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ def check_call_kwargs(kwargs: Mapping[str, Any], allowed: Iterable[str], *, owne
 
 
 def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None,
-                     *, budget_name: str) -> dict[str, Any]:
+                     *, budget_name: str, source: str = "pipeline_kwargs") -> dict[str, Any]:
     """``HuggingFacePipeline``-style ``task``/``pipeline_kwargs`` -> this skin's field values.
 
     ``budget_name`` is the skin's name of the token budget (``max_tokens`` in LangChain, ``max_new_tokens``
-    in LlamaIndex). ``do_sample=False`` means greedy (temperature 0); ``do_sample=True`` without a
+    in LlamaIndex); ``source`` names the argument in errors (``generate_kwargs`` for HuggingFaceLLM's, which
+    take the same keys). ``do_sample=False`` means greedy (temperature 0); ``do_sample=True`` without a
     temperature samples at 1.0, as transformers does.
     """
     if task is not None and task not in _TASKS:
@@ -54,7 +58,7 @@ def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None
     if pipeline_kwargs is None:
         return {}
     if not isinstance(pipeline_kwargs, Mapping):
-        raise TypeError(f"pipeline_kwargs must be a dict, got {type(pipeline_kwargs).__name__}")
+        raise TypeError(f"{source} must be a dict, got {type(pipeline_kwargs).__name__}")
     out: dict[str, Any] = {}
     for key, value in pipeline_kwargs.items():
         if key in ("max_new_tokens", "max_tokens"):
@@ -68,9 +72,9 @@ def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None
         elif key == "return_full_text" and value is False:
             continue  # what kvboost does anyway
         elif key in _UNMAPPABLE:
-            raise ValueError(f"pipeline_kwargs[{key!r}] cannot be mapped: {_UNMAPPABLE[key]}")
+            raise ValueError(f"{source}[{key!r}] cannot be mapped: {_UNMAPPABLE[key]}")
         else:
-            raise ValueError(f"pipeline_kwargs[{key!r}] is not supported; kvboost maps max_new_tokens, "
+            raise ValueError(f"{source}[{key!r}] is not supported; kvboost maps max_new_tokens, "
                              "temperature, top_p, do_sample, seed and stop (pass them as fields instead)")
     if "do_sample" in pipeline_kwargs:
         if not pipeline_kwargs["do_sample"]:
@@ -78,7 +82,7 @@ def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None
         else:
             out.setdefault("temperature", 1.0)
             if not out["temperature"]:
-                raise ValueError("pipeline_kwargs do_sample=True with temperature=0 is contradictory; "
+                raise ValueError(f"{source} do_sample=True with temperature=0 is contradictory; "
                                  "set temperature > 0 to sample")
     return out
 
@@ -100,3 +104,101 @@ def split_model_kwargs(kwargs: dict[str, Any], field_names: Mapping[str, str]) -
             raise TypeError(f"{key}= repeats {name}= (two spellings of one option); pass one of them")
         fields[name] = value
     return fields, engine
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+_LOADING = ("device", "dtype", "device_map", "model_kwargs", "tokenizer_name")
+
+
+def one_device(device: Any, name: str = "device") -> str:
+    """One device as HF spells it -> a torch device string: -1 is the CPU (the pipelines' convention), an
+    int n >= 0 is ``cuda:n``, a str or a ``torch.device`` is taken as is."""
+    if isinstance(device, bool):
+        raise TypeError(f"{name} must be an int, a str or a torch.device, got bool")
+    if isinstance(device, int):
+        if device < -1:
+            raise ValueError(f"{name}={device} is not a device: use -1 for the CPU or n >= 0 for cuda:n")
+        return "cpu" if device == -1 else f"cuda:{device}"
+    if type(device).__name__ == "device" and hasattr(device, "type"):  # torch.device, without importing torch
+        return str(device)
+    if isinstance(device, str) and device.strip():
+        return device.strip()
+    raise TypeError(f"{name} must be an int (-1: cpu, n: cuda:n), a str such as 'cuda:0' or a torch.device, "
+                    f"got {device!r}")
+
+
+def _device_map_device(device_map: Any) -> str | None:
+    """The one device a ``device_map`` names; None for "auto" (kvboost's own choice: cuda when available,
+    else the CPU). kvboost runs the whole model on one device, where the KV cache is assembled, so a map
+    that splits the model is refused."""
+    if device_map is None or device_map == "auto":
+        return None
+    if isinstance(device_map, str) and device_map in ("balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r} splits the model over devices; kvboost runs it on one "
+                         "device (the KV cache is assembled there): use device_map='auto', a device, or device=")
+    if isinstance(device_map, Mapping):
+        devices = {one_device(v, "device_map value") for v in device_map.values()}
+        if len(devices) != 1:
+            raise ValueError(f"device_map puts the model on {sorted(devices)}; kvboost runs it on one device "
+                             "(the KV cache is assembled there)")
+        return devices.pop()
+    return one_device(device_map, "device_map")
+
+
+def load_device(device: Any = None, device_map: Any = None) -> str | None:
+    """The device to load on from HF's ``device`` and ``device_map`` (None: kvboost's default choice);
+    ValueError when they name different devices."""
+    dev = None if device is None else one_device(device)
+    mapped = _device_map_device(device_map)
+    if dev is not None and mapped is not None and dev != mapped:
+        raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices; pass one")
+    return dev or mapped
+
+
+def model_kwargs_of(model_kwargs: Any) -> tuple[dict[str, Any], Any]:
+    """(``model_kwargs`` for ``from_pretrained``, a ``device_map`` found in them): ``torch_dtype`` becomes
+    ``dtype`` (its transformers 5 name); what remains overrides kvboost's defaults (dtype, attention)."""
+    if model_kwargs is None:
+        return {}, None
+    if not isinstance(model_kwargs, Mapping):
+        raise TypeError(f"model_kwargs must be a dict, got {type(model_kwargs).__name__}")
+    out = dict(model_kwargs)
+    if "torch_dtype" in out:
+        if "dtype" in out:
+            raise TypeError("model_kwargs has both torch_dtype and dtype (two spellings of one option); pass one")
+        out["dtype"] = out.pop("torch_dtype")
+    return out, out.pop("device_map", None)
+
+
+def check_engine_kwargs(engine_kw: Mapping[str, Any], *, owner: str) -> None:
+    """Check engine options (EngineConfig fields, or ``config=``) before any weights load: an unknown name is
+    a TypeError naming it and a bad value the config's own error, at once rather than after the load."""
+    from dataclasses import fields
+
+    from kvboost_core.config import EngineConfig
+
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(engine_kw) - names - {"config"})
+    if unknown:
+        raise TypeError(f"{owner}.from_model_id got unexpected keyword argument(s) {unknown}: not a field, a "
+                        f"loading option {list(_LOADING)} nor an engine option {sorted(names)}")
+    rest = {k: v for k, v in engine_kw.items() if k != "config"}
+    config = engine_kw.get("config")
+    if config is None:
+        EngineConfig(**rest)
+    elif not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be a kvboost_core EngineConfig, got {type(config).__name__}")
+    else:
+        config.with_(**rest)
+
+
+def stop_token_ids(stopping_ids: Any) -> tuple[int, ...]:
+    """HuggingFaceLLM's ``stopping_ids`` (token ids that end generation) checked: a list of ints >= 0."""
+    if stopping_ids is None:
+        return ()
+    if isinstance(stopping_ids, (str, bytes)) or not isinstance(stopping_ids, Iterable):
+        raise TypeError(f"stopping_ids must be a list of token ids, got {type(stopping_ids).__name__}")
+    ids = tuple(stopping_ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"stopping_ids must be token ids (ints >= 0), got {list(ids)!r}")
+    return ids

@@ -52,6 +52,49 @@ def parse_tool_call_blocks(text: str) -> tuple[str, list[ParsedCall]]:
     return content, out
 
 
+# ---------------------------------------------------------------------------------------------------- streaming
+_OPEN = "<tool_call>"
+
+
+def surely_text(text: str) -> str:
+    """The part of a growing reply that is surely text: before the first ``<tool_call>``, and never a tail
+    that may be the start of one, nor trailing whitespace (the parsed reply drops it before a call). Always a
+    prefix of ``text``, so what it returns for a longer reply extends what it returned before."""
+    i = text.find(_OPEN)
+    if i >= 0:
+        return text[:i].rstrip()
+    for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(_OPEN[:k]):
+            return text[:-k].rstrip()
+    return text.rstrip()
+
+
+class CallTextStream:
+    """A reply streamed while tools are bound with the model free to answer (tool_choice "auto"): text
+    pieces are passed on as they come, holding back only what may be a ``<tool_call>`` block (see
+    :func:`surely_text`); the whole reply is parsed at the end, and :meth:`rest` is what its parsed text adds
+    to what was shown."""
+
+    __slots__ = ("shown", "text")
+
+    def __init__(self) -> None:
+        self.text = ""  # the reply so far
+        self.shown = ""  # the part of it passed on
+
+    def push(self, piece: str) -> str:
+        """Add a piece of the reply; the text to show now ("" when it may belong to a call)."""
+        self.text += piece
+        visible = surely_text(self.text)
+        if len(visible) <= len(self.shown):
+            return ""
+        delta, self.shown = visible[len(self.shown):], visible
+        return delta
+
+    def rest(self, content: str) -> str:
+        """What the parsed reply's text ``content`` adds to the text shown (its calls taken out)."""
+        return content[len(self.shown):] if content.startswith(self.shown) else ""
+
+
 # ---------------------------------------------------------------------------------------------------- forced calls
 TOOL_CALL_START = "<tool_call>\n"  # a forced call's opening, written into the prompt; the grammar does the rest
 

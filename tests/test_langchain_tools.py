@@ -138,13 +138,55 @@ def test_template_without_tools_gets_them_in_the_system_message():
     assert calls[-1]["prompt"].startswith('<|system|>\nBe brief.\n\n# Tools\n') and "get_weather" in calls[-1]["prompt"]
 
 
-def test_streaming_with_tools_gives_tool_call_chunks(chat):
-    _script(chat, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'])
-    chunks = list(chat.bind_tools([get_weather]).stream("weather in Rome?"))
+def _script_stream(chat, pieces: list[str], reason: str = "eos") -> list[str]:
+    """Make chat.rag.stream yield ``pieces`` (then report a result, as the adapter does); returns the prompts."""
+    prompts: list[str] = []
+
+    def stream(prompt, on_result=None, **kw):
+        prompts.append(prompt)
+        yield from pieces
+        if on_result is not None:
+            stats = {"reuse_ratio": 0.5, "reused_exact": 4, "reused_approx": 3, "reused_repaired": 0,
+                     "documents_not_warmed": 1, "finish_reason": reason}
+            result = GenerationResult(text="".join(pieces), token_ids=[5] * 3, prompt_token_ids=[1] * 10,
+                                      ttft_s=0.01, total_s=0.02, reuse_ratio=0.5, finish_reason=reason, stats=stats)
+            on_result(result, stats)
+
+    object.__setattr__(chat.rag, "stream", stream)
+    return prompts
+
+
+def _aggregate(chunks):
     full = chunks[0]
     for c in chunks[1:]:
         full = full + c
+    return full
+
+
+def test_streaming_with_tools_gives_tool_call_chunks(chat):
+    _script_stream(chat, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'])
+    full = _aggregate(list(chat.bind_tools([get_weather]).stream("weather in Rome?")))
     assert full.tool_calls[0]["name"] == "get_weather" and full.tool_calls[0]["args"] == {"city": "Rome"}
+    assert full.response_metadata["finish_reason"] == "tool_calls"
+
+
+def test_streaming_with_tools_under_auto_streams_the_text(chat):
+    """Issue 26: binding tools turned token streaming off (one chunk at the end). Under "auto" text streams as
+    it comes; only what may be a call is held back, and the calls come parsed on the last chunk."""
+    pieces = ["It is ", "sunny ", "<b>", " in Rome", "."]
+    _script_stream(chat, pieces)
+    chunks = list(chat.bind_tools([get_weather]).stream("weather in Rome?"))
+    assert [c.content for c in chunks[:-1]] == ["It is", " sunny", " <b>", " in Rome", "."]
+    full = _aggregate(chunks)
+    assert full.content == "It is sunny <b> in Rome." and full.tool_calls == []
+    assert full.response_metadata["finish_reason"] == "stop"
+    _script_stream(chat, ["Let me ", "check.", " <tool", '_call>\n{"name": "get_weather", ',
+                          '"arguments": {"city": "Rome"}}\n</tool_call>'])
+    chunks = list(chat.bind_tools([get_weather]).stream("weather in Rome?"))
+    assert [c.content for c in chunks[:-1]] == ["Let me", " check."]  # the call block is not text
+    full = _aggregate(chunks)
+    assert full.content == "Let me check." and full.tool_calls[0]["args"] == {"city": "Rome"}
+    assert full.response_metadata["finish_reason"] == "tool_calls"
 
 
 def test_parse_tool_calls_edge_cases():

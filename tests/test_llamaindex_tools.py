@@ -64,19 +64,36 @@ def _script(llm: KVBoostLLM, replies: list[str]) -> list[str]:
     return prompts
 
 
-def test_is_function_calling_model_follows_the_template():
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# Gemma-style: no system role, so tools cannot be described in a system message either.
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                      "supported') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def test_is_function_calling_model_wherever_tools_render():
+    """Issue 26: a template without a tools section takes them in the system message, so it is a function-calling
+    model too (FunctionAgent and predict_and_call refused SmolLM2's); a template that renders neither is not,
+    and the field overrides the probe either way."""
     assert _llm(TOOL_TEMPLATE).metadata.is_function_calling_model is True
-    plain = _llm("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    assert plain.metadata.is_function_calling_model is False  # the model was not taught tools by its template
-    prompts = _script(plain, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'])
+    plain = _llm(PLAIN_TEMPLATE)
+    assert plain.metadata.is_function_calling_model is True
+    prompts = _script(plain, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                              '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'])
     resp = plain.chat_with_tools([WEATHER], user_msg="weather?")  # tools described in the system message
     assert prompts[0].startswith("system: # Tools\n") and '"name": "get_weather"' in prompts[0]
     assert plain.get_tool_calls_from_response(resp)[0].tool_kwargs == {"city": "Oslo"}
+    assert plain.predict_and_call([WEATHER], user_msg="weather in Rome?").response == "sunny in Rome"
+    no_system = _llm(NO_SYSTEM_TEMPLATE)
+    assert no_system.metadata.is_function_calling_model is False
     model, tok = tiny_model_and_tokenizer()
     custom = KVBoostLLM(engine=KVEngine(model, tok), messages_to_prompt=lambda ms: "\n".join(str(m) for m in ms))
     assert custom.metadata.is_function_calling_model is False
     with pytest.raises(ValueError, match="template"):
         custom.chat_with_tools([WEATHER], user_msg="weather?")
+    # the override, both ways
+    forced_on = KVBoostLLM(engine=no_system.rag, is_function_calling_model=True)
+    assert forced_on.metadata.is_function_calling_model is True
+    assert KVBoostLLM(engine=plain.rag, is_function_calling_model=False).metadata.is_function_calling_model is False
 
 
 def test_chat_with_tools_round_trip():

@@ -115,3 +115,39 @@ def test_parallel_forced_calls_are_all_schema_valid(chat):
         counts.append(len(ai.tool_calls))
         print(f"parallel forced calls for {prompt!r}: {[(c['name'], c['args']) for c in ai.tool_calls]}")
     assert all(1 <= n <= 8 for n in counts)
+
+
+def test_llamaindex_function_agent_runs_a_tool_on_smollm2(chat):
+    """Issue 26: FunctionAgent refused SmolLM2 ("LLM must be a FunctionCallingLLM"), whose template has no tools
+    section although its tools render in the system message. Bounded: the first step's call is forced (the
+    agent's ``initial_tool_choice``), the tool runs once, and the agent stops within 3 steps whatever this
+    135M model writes after the tool's result (its reply is printed, not asserted)."""
+    pytest.importorskip("llama_index.core")
+    import asyncio
+
+    from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.kvboost import KVBoostLLM
+
+    llm = KVBoostLLM(rag=chat.rag, max_new_tokens=40, is_chat_model=True)  # the same engine
+    assert llm.metadata.is_function_calling_model
+    ran: list[dict] = []
+
+    def weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Current weather in a city."""
+        ran.append({"city": city, "unit": unit})
+        return f"Sunny, 21 degrees {unit}, in {city}."
+
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=weather, name="get_weather")], llm=llm,
+                          initial_tool_choice="get_weather", early_stopping_method="generate")
+
+    async def run() -> tuple[object, list]:
+        handler = agent.run(user_msg="What is the weather in Paris?", max_iterations=3)
+        events = [ev async for ev in handler.stream_events() if isinstance(ev, ToolCallResult)]
+        return await handler, events
+
+    result, events = asyncio.run(run())
+    assert ran and ran[0]["unit"] in ("celsius", "fahrenheit") and isinstance(ran[0]["city"], str)
+    assert events[0].tool_name == "get_weather" and events[0].tool_output.content.startswith("Sunny")
+    assert len(ran) <= 3
+    print(f"FunctionAgent on SmolLM2: calls {ran}, reply {result.response.content!r}")  # type: ignore[attr-defined]

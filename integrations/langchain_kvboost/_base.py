@@ -11,6 +11,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, mo
 
 from kvboost_core.engine import KVEngine
 from kvboost_rag import KVBoostRAG, WarmReport
+from kvboost_rag.adapter import load_engine
 from kvboost_rag.aio import aiter_in_thread
 from kvboost_rag.options import (
     CALL_KEYS,
@@ -93,20 +94,24 @@ class KVBoostFields(BaseModel):
         return self
 
     @classmethod
-    def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
+    def from_model_id(cls, model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
                       model_kwargs: dict | None = None, task: str | None = None,
-                      pipeline_kwargs: dict | None = None, **kwargs: Any) -> Any:
+                      pipeline_kwargs: dict | None = None, tokenizer_name: str | None = None,
+                      **kwargs: Any) -> Any:
         """Load ``model_id`` (hub id or local path) like HuggingFacePipeline.from_model_id.
 
         Keyword arguments naming a field of this class, or an alias of one (``max_new_tokens`` for
         ``max_tokens``), configure it; ``task``/``pipeline_kwargs`` are mapped as HuggingFacePipeline reads
         them (max_new_tokens, temperature, do_sample, top_p, seed, stop; anything else is refused with what
-        to use instead); the rest (chunk_size, store, sink_tokens, ...) go to the engine's EngineConfig."""
+        to use instead); the rest (chunk_size, store, sink_tokens, ...) go to the engine's EngineConfig and
+        are checked before the weights load. ``device`` as HF pipelines take it (-1: the CPU, n: cuda:n),
+        ``device_map`` naming one device (or "auto"), ``model_kwargs`` over kvboost's loading defaults
+        (``dtype``, ``attn_implementation``): see :func:`kvboost_rag.adapter.load_engine`."""
         mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_tokens")
         fields, engine_kw = split_model_kwargs(kwargs, field_spellings(cls))
         fields = {**mapped, **fields}  # explicit fields win over pipeline_kwargs
-        engine = KVEngine.from_pretrained(model_id, device=device, dtype=dtype, model_kwargs=model_kwargs,
-                                          **engine_kw)
+        engine = load_engine(model_id, device=device, dtype=dtype, device_map=device_map, model_kwargs=model_kwargs,
+                             tokenizer_name=tokenizer_name, owner=cls.__name__, **engine_kw)
         return cls(engine=engine, model_id=model_id, **fields)
 
     # ------------------------------------------------------------------ shared helpers

@@ -27,15 +27,17 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import run_in_executor
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.toolcalls import chat_inputs
-from langchain_kvboost._base import KVBoostFields, aiter_in_thread
-from langchain_kvboost.llms import _info
+from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
+from kvboost_rag.toolcalls import CallTextStream, chat_inputs
+from langchain_kvboost._base import KVBoostFields, aiter_in_thread, field_spellings
+from langchain_kvboost.llms import KVBoostLLM, _keeper
 from langchain_kvboost.structured import METHODS, response_format, structured_runnable
 from langchain_kvboost.tools import (
     ToolPlan,
@@ -49,6 +51,9 @@ from langchain_kvboost.tools import (
 
 _ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system",
                            ToolMessage: "tool"}
+# What ChatKVBoost(llm=...) takes from the KVBoostLLM, unless given (its engine and registry are shared).
+_FROM_LLM = ("model_id", "max_tokens", "temperature", "top_p", "seed", "stop", "repair", "recompute_ratio",
+             "transparent", "preserve_order", "auto_warm")
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -67,13 +72,6 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _keeper(done: dict[str, Any]) -> Any:
-    def keep(result: GenerationResult, stats: dict[str, Any]) -> None:
-        done["result"], done["stats"] = result, stats
-
-    return keep
-
-
 class ChatKVBoost(KVBoostFields, BaseChatModel):
     """Chat model with KV reuse of conversation history and warmed documents.
 
@@ -82,10 +80,38 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         chat = ChatKVBoost.from_model_id("Qwen/Qwen2.5-0.5B-Instruct", max_tokens=128)
         chat.invoke([("system", "Be brief."), ("human", "Hi")])
         chat.last_stats["reused_exact"]
+        chat = ChatKVBoost(llm=KVBoostLLM.from_model_id(...))  # ChatHuggingFace(llm=...) pattern
         ```
+
+    Each reply reports its own call (safe when calls run concurrently), as langchain-openai does:
+    ``response_metadata["finish_reason"]`` in OpenAI's words ("stop", "length" or "tool_calls"),
+    ``response_metadata["kvboost"]`` the call's figures (reuse, documents, ``documents_not_warmed``, the
+    engine's own ``engine_finish_reason``), and ``usage_metadata["input_token_details"]["cache_read"]`` the
+    prompt tokens whose KV was an exact cache hit; re-placed document KV used without recompute is
+    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.adapter.usage_counts`).
     """
 
     streaming: bool = Field(default=False, description="Stream by default when invoked (LangChain convention).")
+    llm: Any = Field(default=None, exclude=True,
+                     description="A langchain_kvboost KVBoostLLM to chat through, as ChatHuggingFace(llm=...): "
+                                 "its engine and warmed documents are shared, its generation settings are the "
+                                 "defaults here (fields given explicitly win).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_llm(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("llm") is None:
+            return data
+        llm = data["llm"]
+        if not isinstance(llm, KVBoostLLM):
+            raise TypeError(f"llm must be a langchain_kvboost KVBoostLLM, got {type(llm).__name__}; for a "
+                            "HuggingFacePipeline, load KVBoostLLM.from_model_id(model_id, ...) with its arguments")
+        if data.get("engine") is not None:
+            raise TypeError("ChatKVBoost takes engine= or llm=, not both")
+        spellings = field_spellings(cls)
+        given = {spellings.get(k, k) for k in data}
+        inherited = {name: getattr(llm, name) for name in _FROM_LLM if name not in given}
+        return {**inherited, **data, "engine": llm.rag}
 
     @property
     def _llm_type(self) -> str:
@@ -125,7 +151,11 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         "function_calling")`` asks for one."""
         formatted = format_tools(tools)
         tool_choice_names(tool_choice, formatted)  # a bad name fails here, not at call time
-        check_parallel(parallel_tool_calls)  # a bad value too
+        plan = tool_plan(formatted, tool_choice, check_parallel(parallel_tool_calls))  # a bad value too
+        if plan is not None and plan.forced:  # decoded under a grammar: llguidance is checked now
+            from kvboost_rag.constrained import require_grammar
+
+            require_grammar("a forced tool call (tool_choice)")
         if parallel_tool_calls is None and "ls_structured_output_format" in kwargs:
             parallel_tool_calls = False  # structured output parses one object: one call, as langchain-openai
         if parallel_tool_calls is not None:
@@ -147,6 +177,9 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw)
         fmt = response_format(schema, method)
+        from kvboost_rag.constrained import require_grammar
+
+        require_grammar(f"structured output (method={method!r})")
         llm = self.bind(response_format=fmt, ls_structured_output_format={
             "kwargs": {"method": method, "strict": strict}, "schema": fmt["schema"]})
         return structured_runnable(llm, schema, include_raw)
@@ -157,10 +190,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         # Through the engine like a plain call (warmed documents reused, repair options honoured); stop strings
         # are not applied to JSON.
         res = generate_json(self.rag, prompt, fmt.get("schema"), **opts)
-        n_in, n_out = len(res.prompt_token_ids), len(res.token_ids)
-        return AIMessage(content=res.text, usage_metadata=UsageMetadata(
-            input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
-            response_metadata=self._metadata(res.stats))
+        return AIMessage(content=res.text, usage_metadata=self._usage(res), response_metadata=self._metadata(res))
 
     # ------------------------------------------------------------------ calls
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
@@ -189,23 +219,24 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         result = self.rag.generate(prompt, **opts)
         return result, result.text
 
-    def _message(self, text: str, plan: ToolPlan | None, result: GenerationResult | None,
-                 stats: dict[str, Any]) -> AIMessage:
+    def _message(self, text: str, plan: ToolPlan | None, result: GenerationResult | None) -> AIMessage:
         if plan is None:
-            return AIMessage(content=text, usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
+            return AIMessage(content=text, usage_metadata=self._usage(result), response_metadata=self._metadata(result))
         content, calls, invalid = parse_tool_calls(text, plan.keep_all)
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
-                         usage_metadata=self._usage(result), response_metadata=self._metadata(stats))
+                         usage_metadata=self._usage(result), response_metadata=self._metadata(result, bool(calls)))
 
     @staticmethod
     def _usage(result: GenerationResult | None) -> UsageMetadata:
-        n_in = len(result.prompt_token_ids) if result else 0
-        n_out = len(result.token_ids) if result else 0
-        return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+        """Token counts; ``cache_read`` counts exact reuse only (see the class docstring)."""
+        u = usage_counts(result)
+        details: Any = {"cache_read": u["cache_read"], "cache_read_approximate": u["cache_read_approximate"]}
+        return UsageMetadata(input_tokens=u["input_tokens"], output_tokens=u["output_tokens"],
+                             total_tokens=u["total_tokens"], input_token_details=details)
 
-    def _metadata(self, stats: dict[str, Any]) -> dict[str, Any]:
-        return {"model_name": self.model_name, "finish_reason": stats.get("finish_reason"),
-                "kvboost": _info(stats)}
+    def _metadata(self, result: GenerationResult | None, tool_calls: bool = False) -> dict[str, Any]:
+        return {"model_name": self.model_name, "finish_reason": openai_finish_reason(result, tool_calls),
+                "kvboost": call_info(result)}
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -219,7 +250,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
             result = self.rag.generate(prompt, **opts)
             text = result.text
         # The call's own result and stats (not last_stats): several calls may run at once (abatch).
-        message = self._message(text, plan, result, result.stats)
+        message = self._message(text, plan, result)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self.model_name})
 
@@ -228,59 +259,55 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         return await run_in_executor(None, self._generate, messages, stop,
                                      run_manager.get_sync() if run_manager else None, **kwargs)
 
-    def _tool_chunk(self, reply: tuple[GenerationResult, str], plan: ToolPlan) -> ChatGenerationChunk:
-        result, text = reply
-        msg = self._message(text, plan, result, result.stats)
-        chunks = [{"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
-                   "type": "tool_call_chunk"} for i, c in enumerate(msg.tool_calls)]
+    @staticmethod
+    def _last_chunk(msg: AIMessage, content: str | None = None) -> ChatGenerationChunk:
+        """A reply's last chunk: its tool calls, usage and metadata (on the last chunk only, so aggregating the
+        chunks does not count them twice); ``content``: the text not streamed yet (default: all of it)."""
+        chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                  for i, c in enumerate(msg.tool_calls)]
         return ChatGenerationChunk(message=AIMessageChunk(
-            content=msg.content, tool_call_chunks=chunks, usage_metadata=msg.usage_metadata,
-            response_metadata=msg.response_metadata, chunk_position="last"))
+            content=msg.content if content is None else content, tool_call_chunks=chunks,
+            usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata, chunk_position="last"))
 
-    def _final_chunk(self, done: dict[str, Any]) -> ChatGenerationChunk:
-        # Usage and model name go on the last chunk only, so aggregating chunks does not double count them.
-        return ChatGenerationChunk(message=AIMessageChunk(
-            content="", usage_metadata=self._usage(done.get("result")),
-            response_metadata=self._metadata(done.get("stats", {})), chunk_position="last"))
+    def _chunks(self, messages: list[BaseMessage], stop: list[str] | None,
+                kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
+        """A streamed reply's chunks (blocking: _astream runs this in a worker thread). Text streams token by
+        token, with tools bound too when the model is free to answer (tool_choice "auto"): only what may be a
+        ``<tool_call>`` block is held back, and the calls come parsed on the last chunk. Constrained JSON and
+        forced calls are no text: one chunk."""
+        prompt, opts, plan = self._prepare(messages, stop, kwargs)
+        if kwargs.get("response_format"):
+            yield self._last_chunk(self._structured(prompt, opts, kwargs["response_format"]))
+            return
+        if plan is not None and plan.forced:
+            result, text = self._tool_reply(prompt, opts, plan)
+            yield self._last_chunk(self._message(text, plan, result))
+            return
+        done: dict[str, Any] = {}
+        split = CallTextStream() if plan is not None else None
+        for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
+            text = piece if split is None else split.push(piece)
+            if text:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+        result = done.get("result")
+        if split is None:
+            yield self._last_chunk(self._message("", None, result))
+        else:
+            msg = self._message(split.text, plan, result)
+            yield self._last_chunk(msg, split.rest(msg.text))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        prompt, opts, plan = self._prepare(messages, stop, kwargs)
-        if kwargs.get("response_format"):  # constrained JSON: one chunk
-            msg = self._structured(prompt, opts, kwargs["response_format"])
-            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
-                                                             response_metadata=msg.response_metadata,
-                                                             chunk_position="last"))
-            return
-        if plan is not None:  # tool calls are parsed from the whole reply: one chunk
-            yield self._tool_chunk(self._tool_reply(prompt, opts, plan), plan)
-            return
-        done: dict[str, Any] = {}
-        for piece in self.rag.stream(prompt, on_result=_keeper(done), **opts):
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
-            if run_manager:
-                run_manager.on_llm_new_token(piece, chunk=chunk)
+        for chunk in self._chunks(messages, stop, kwargs):
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
-        yield self._final_chunk(done)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        prompt, opts, plan = self._prepare(messages, stop, kwargs)
-        if kwargs.get("response_format"):
-            msg = await run_in_executor(None, self._structured, prompt, opts, kwargs["response_format"])
-            yield ChatGenerationChunk(message=AIMessageChunk(content=msg.content, usage_metadata=msg.usage_metadata,
-                                                             response_metadata=msg.response_metadata,
-                                                             chunk_position="last"))
-            return
-        if plan is not None:
-            yield self._tool_chunk(await run_in_executor(None, self._tool_reply, prompt, opts, plan), plan)
-            return
-        done: dict[str, Any] = {}
-        async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
-            if run_manager:
-                await run_manager.on_llm_new_token(piece, chunk=chunk)
+        async for chunk in aiter_in_thread(lambda: self._chunks(messages, stop, kwargs)):
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
-        yield self._final_chunk(done)

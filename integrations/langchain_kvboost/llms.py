@@ -14,14 +14,16 @@ from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
+from kvboost_core.results import GenerationResult
+from kvboost_rag.adapter import call_info, openai_finish_reason
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 
-_INFO_KEYS = ("ttft_s", "reuse_ratio", "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_recomputed", "documents",
-              "prompt_tokens", "output_tokens", "finish_reason", "mode")
 
-
-def _info(stats: dict[str, Any]) -> dict[str, Any]:
-    return {k: stats[k] for k in _INFO_KEYS if k in stats}
+def _generation_info(result: GenerationResult | None) -> dict[str, Any]:
+    """A completion's generation_info: ``finish_reason`` in OpenAI's words ("stop"/"length"), then the
+    call's own figures (:func:`kvboost_rag.adapter.call_info`, the engine's reason as
+    ``engine_finish_reason``)."""
+    return {"finish_reason": openai_finish_reason(result), **call_info(result)}
 
 
 class KVBoostLLM(KVBoostFields, BaseLLM):
@@ -55,7 +57,7 @@ class KVBoostLLM(KVBoostFields, BaseLLM):
         prompt_tokens = completion_tokens = 0
         for prompt in prompts:
             result = self.rag.generate(prompt, **opts)
-            generations.append([Generation(text=result.text, generation_info=_info(result.stats))])
+            generations.append([Generation(text=result.text, generation_info=_generation_info(result))])
             prompt_tokens += len(result.prompt_token_ids)
             completion_tokens += len(result.token_ids)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -70,20 +72,31 @@ class KVBoostLLM(KVBoostFields, BaseLLM):
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
-        for piece in self.rag.stream(prompt, **self._call_options(stop, kwargs)):
+        done: dict[str, Any] = {}
+        for piece in self.rag.stream(prompt, on_result=_keeper(done), **self._call_options(stop, kwargs)):
             chunk = GenerationChunk(text=piece)
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=_info(self.rag.last_stats))
+        # this stream's own result, not last_stats: another call may have finished in between
+        yield GenerationChunk(text="", generation_info=_generation_info(done.get("result")))
 
     async def _astream(self, prompt: str, stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         opts = self._call_options(stop, kwargs)
-        async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, **opts)):
+        done: dict[str, Any] = {}
+        async for piece in aiter_in_thread(lambda: self.rag.stream(prompt, on_result=_keeper(done), **opts)):
             chunk = GenerationChunk(text=piece)
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=_info(self.rag.last_stats))
+        yield GenerationChunk(text="", generation_info=_generation_info(done.get("result")))
+
+
+def _keeper(done: dict[str, Any]) -> Any:
+    """An ``on_result`` callback keeping a stream's own result and stats in ``done``."""
+    def keep(result: GenerationResult, stats: dict[str, Any]) -> None:
+        done["result"], done["stats"] = result, stats
+
+    return keep

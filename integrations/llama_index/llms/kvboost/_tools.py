@@ -12,9 +12,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.toolcalls import first_call_only, parse_tool_call_blocks, tool_name
-
-_OPEN = "<tool_call>"
+from kvboost_rag.toolcalls import CallTextStream, first_call_only, parse_tool_call_blocks, tool_name
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,8 @@ def tool_chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 def with_tool_calls(response: ChatResponse, parallel: bool = True) -> ChatResponse:
     """The reply with its valid ``<tool_call>`` blocks moved to ``additional_kwargs["tool_calls"]``
     (ToolSelections) and malformed ones to ``additional_kwargs["invalid_tool_calls"]``; without ``parallel``
-    the first valid call alone (as llama-index's OpenAI ``force_single_tool_call``)."""
+    the first valid call alone (as llama-index's OpenAI ``force_single_tool_call``). A response reporting
+    its call (``finish_reason``) says "tool_calls" when it holds calls, as OpenAI does."""
     content, blocks = parse_tool_call_blocks(response.message.content or "")
     calls = [ToolSelection(tool_id=f"call_{uuid.uuid4().hex[:24]}", tool_name=b.name, tool_kwargs=b.args)
              for b in blocks if b.error is None and b.name is not None and b.args is not None]
@@ -86,32 +85,66 @@ def with_tool_calls(response: ChatResponse, parallel: bool = True) -> ChatRespon
     # a new message, not model_copy: the content lives in the message's blocks
     msg = ChatMessage(role=response.message.role, content=content, additional_kwargs={
         **response.message.additional_kwargs, "tool_calls": calls, "invalid_tool_calls": invalid})
-    return response.model_copy(update={"message": msg})
-
-
-def _visible(text: str) -> str:
-    """The part of a growing reply that is surely text: before the first ``<tool_call>``, and never a tail
-    that may be the start of one, nor trailing whitespace (the parsed reply drops it before a call)."""
-    i = text.find(_OPEN)
-    if i >= 0:
-        return text[:i].rstrip()
-    for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(_OPEN[:k]):
-            return text[:-k].rstrip()
-    return text.rstrip()
+    update: dict[str, Any] = {"message": msg}
+    if calls and "finish_reason" in response.additional_kwargs:
+        update["additional_kwargs"] = {**response.additional_kwargs, "finish_reason": "tool_calls"}
+    return response.model_copy(update=update)
 
 
 def stream_with_tool_calls(pieces: Iterable[CompletionResponse], parallel: bool = True) -> Iterator[ChatResponse]:
-    """Chat responses from a completion stream with tools: the text is streamed as it comes (up to the first
-    ``<tool_call>``: call blocks are not text), and one last response carries the whole reply parsed, with
-    its calls in ``additional_kwargs["tool_calls"]`` (as :func:`with_tool_calls`)."""
-    text = shown = ""
+    """Chat responses from a completion stream with tools: the text is streamed as it comes, holding back only
+    what may be a ``<tool_call>`` block (:class:`kvboost_rag.toolcalls.CallTextStream`), and one last response
+    carries the whole reply parsed, with its calls in ``additional_kwargs["tool_calls"]`` (as
+    :func:`with_tool_calls`) and the call's report (from the stream's last response)."""
+    split = CallTextStream()
+    last: CompletionResponse | None = None
     for piece in pieces:
-        text += piece.delta or ""
-        visible = _visible(text)
-        if len(visible) > len(shown):
-            delta, shown = visible[len(shown):], visible
-            yield ChatResponse(message=ChatMessage(role="assistant", content=shown), delta=delta)
-    final = with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text)), parallel)
-    content = final.message.content or ""
-    yield final.model_copy(update={"delta": content[len(shown):] if content.startswith(shown) else ""})
+        last = piece
+        delta = split.push(piece.delta or "")
+        if delta:
+            yield ChatResponse(message=ChatMessage(role="assistant", content=split.shown), delta=delta)
+    final = with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=split.text),
+                                         raw=last.raw if last else None,
+                                         additional_kwargs=dict(last.additional_kwargs) if last else {}), parallel)
+    yield final.model_copy(update={"delta": split.rest(final.message.content or "")})
+
+
+class ToolCalling:
+    """KVBoostLLM's function calling (a mixin placed before llama-index's ``FunctionCallingLLM``): tools rendered
+    by the chat template (or described in the system message), ``<tool_call>`` replies parsed."""
+
+    _template_chat: bool
+
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``; a
+        template without a tools section gets them in the system message). ``tool_required`` (or
+        ``tool_choice`` "required"/a tool's name) constrains the reply to valid calls by grammar: 1..8 of them
+        with ``allow_parallel_tool_calls``, else one (free replies keep their first call, as OpenAI's)."""
+        if not self._template_chat:
+            raise ValueError("function calling needs the tokenizer's chat template; this KVBoostLLM has "
+                             "messages_to_prompt")
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
+        schemas = [t.metadata.to_openai_tool() for t in tools]
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        req = tool_request(schemas, tool_choice, allow_parallel_tool_calls)  # a bad tool_choice fails here
+        if req is not None and req.forced:  # decoded under a grammar: llguidance is checked now
+            from kvboost_rag.constrained import require_grammar
+
+            require_grammar("a forced tool call (tool_required / tool_choice)")
+        return {"messages": messages, "tools": schemas, "tool_choice": tool_choice,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     allow_parallel_tool_calls: bool = True, **kwargs: Any) -> list[Any]:
+        """The reply's ``<tool_call>`` blocks as ToolSelections (ValueError when there is none, if asked); the
+        first alone with ``allow_parallel_tool_calls=False`` (a chat that disallowed them kept one already)."""
+        calls = list(response.message.additional_kwargs.get("tool_calls") or [])
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call in the reply, got {response.message.content!r}")
+        return calls if allow_parallel_tool_calls else calls[:1]

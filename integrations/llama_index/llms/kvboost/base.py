@@ -12,8 +12,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvboost_rag.aio import aiter_in_thread, run_blocking
-from kvboost_rag.options import CALL_KEYS, check_call_kwargs, pipeline_options, split_model_kwargs
-from kvboost_rag.toolcalls import chat_inputs, max_calls, template_renders_tools
+from kvboost_rag.options import (
+    CALL_KEYS,
+    check_call_kwargs,
+    pipeline_options,
+    split_model_kwargs,
+    stop_token_ids,
+)
+from kvboost_rag.toolcalls import chat_inputs, max_calls
 
 _HINT = "pip install 'kvboost-rag[llamaindex]'"
 
@@ -32,9 +38,19 @@ try:
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.llms.function_calling import FunctionCallingLLM
+    from llama_index.llms.kvboost._responses import (
+        completion,
+        keeper,
+        raw,
+        stats_kwargs,
+        stream_completions,
+        to_chat,
+        to_chat_stream,
+    )
     from llama_index.llms.kvboost._retrieval import render_node, watch_retrievals
     from llama_index.llms.kvboost._structured import StructuredOutput
     from llama_index.llms.kvboost._tools import (
+        ToolCalling,
         ToolRequest,
         stream_with_tool_calls,
         tool_chat_dicts,
@@ -53,6 +69,8 @@ if TYPE_CHECKING:
 _CALL_OPTIONS = CALL_KEYS - {"max_tokens"}
 # Spellings from_model_id and the constructor accept for fields, besides the field names.
 _FIELD_ALIASES = {"max_tokens": "max_new_tokens"}
+# HuggingFaceLLM's loading arguments: meaningful for from_model_id only (an engine is loaded already).
+_LOADING = ("tokenizer_name", "device_map", "model_kwargs", "device", "dtype")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -95,7 +113,7 @@ def _model_name(engine: KVEngine) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the LLM
-class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
+class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
     """A local HuggingFace model behind kvboost: warmed documents' KV is reused wherever they appear in a prompt.
 
     Build it with ``KVBoostLLM.from_model_id(path, **engine_kwargs)`` or ``KVBoostLLM(engine=KVEngine(...))``.
@@ -125,6 +143,11 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
     auto_warm: bool = Field(default=False, description="Warm retrieved nodes that were not warmed yet after the "
                             "call that used them, so the next query reuses their KV (misses are logged "
                             "either way).")
+    is_function_calling_model: bool | None = Field(default=None, description="Report a function-calling model "
+                                                   "(FunctionAgent, predict_and_call); None: whenever chat calls "
+                                                   "with tools render with the tokenizer's chat template.")
+    stopping_ids: list[int] | None = Field(default=None, description="Token ids that end a generation, kept in "
+                                           "the output (HuggingFaceLLM's); forced calls and JSON end by grammar.")
 
     _rag: Any = PrivateAttr(default=None)
     _template_chat: bool = PrivateAttr(default=True)
@@ -136,6 +159,15 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
                 if name in kwargs:
                     raise TypeError(f"{alias}= repeats {name}= (two spellings of one option); pass one of them")
                 kwargs[name] = kwargs.pop(alias)
+        loading = sorted(set(kwargs) & set(_LOADING))
+        if loading:
+            raise TypeError(f"{loading} configure loading; this KVBoostLLM wraps a loaded engine: pass them to "
+                            "KVBoostLLM.from_model_id(model_id, ...) instead")
+        # HuggingFaceLLM's generate_kwargs, mapped to the fields with the same meaning (explicit fields win)
+        kwargs = {**pipeline_options(None, kwargs.pop("generate_kwargs", None), budget_name="max_new_tokens",
+                                     source="generate_kwargs"), **kwargs}
+        if kwargs.get("stopping_ids") is not None:
+            kwargs["stopping_ids"] = list(stop_token_ids(kwargs["stopping_ids"]))
         if (engine is None) == (rag is None):
             raise TypeError("KVBoostLLM needs exactly one of engine= (a kvboost_core KVEngine or a KVBoostRAG) or "
                             "rag=; or build it with KVBoostLLM.from_model_id(model_id, ...)")
@@ -158,20 +190,29 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
                              f"of {real} tokens")
 
     @classmethod
-    def from_model_id(cls, model_id: str, *, device: str | None = None, dtype: Any = None,
+    def from_model_id(cls, model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
+                      model_kwargs: dict | None = None, tokenizer_name: str | None = None,
                       transparent: bool = True, preserve_order: bool = False, task: str | None = None,
-                      pipeline_kwargs: dict | None = None, **kwargs: Any) -> KVBoostLLM:
+                      pipeline_kwargs: dict | None = None, generate_kwargs: dict | None = None,
+                      **kwargs: Any) -> KVBoostLLM:
         """Load a local HuggingFace model. Keyword arguments naming a field of this class (``max_new_tokens``
-        or its alias ``max_tokens``, ``repair``, ...) configure the LLM; ``task``/``pipeline_kwargs`` are
-        mapped as HuggingFacePipeline reads them (max_new_tokens, temperature, do_sample, top_p, seed, stop;
-        anything else is refused with what to use instead); the others configure the engine (``chunk_size``,
-        ``store``, ...)."""
+        or its alias ``max_tokens``, ``repair``, ``stopping_ids``, ...) configure the LLM;
+        ``task``/``pipeline_kwargs`` and HuggingFaceLLM's ``generate_kwargs`` are mapped as HF reads them
+        (max_new_tokens, temperature, do_sample, top_p, seed, stop; anything else is refused with what to use
+        instead); ``device`` (-1: the CPU, n: cuda:n), ``device_map`` (one device or "auto"), ``model_kwargs``
+        and ``tokenizer_name`` load as in HF (:func:`kvboost_rag.adapter.load_engine`); the others configure
+        the engine (``chunk_size``, ``store``, ...) and are checked before the weights load."""
         spellings = {name: name for name in cls.model_fields} | _FIELD_ALIASES
         mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_new_tokens")
+        mapped |= pipeline_options(None, generate_kwargs, budget_name="max_new_tokens", source="generate_kwargs")
         llm_kw, engine_kw = split_model_kwargs(kwargs, spellings)
         llm_kw = {**mapped, **llm_kw}
-        rag = _rag_class().from_model_id(model_id, device=device, dtype=dtype, transparent=transparent,
-                                         preserve_order=preserve_order, **engine_kw)
+        if llm_kw.get("stopping_ids") is not None:
+            stop_token_ids(llm_kw["stopping_ids"])  # checked before the weights load
+        rag = _rag_class().from_model_id(model_id, device=device, dtype=dtype, device_map=device_map,
+                                         model_kwargs=model_kwargs, tokenizer_name=tokenizer_name,
+                                         transparent=transparent, preserve_order=preserve_order, owner="KVBoostLLM",
+                                         **engine_kw)
         llm_kw.setdefault("model_name", model_id)
         return cls(rag=rag, **llm_kw)
 
@@ -206,11 +247,11 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         ctx = self.context_window or self._model_context()
+        calling = self.is_function_calling_model
+        if calling is None:  # tools work whenever they render: in the template's tools section or a system message
+            calling = self._template_chat and self._rag.can_call_tools()
         return LLMMetadata(context_window=ctx, num_output=self.max_new_tokens, model_name=self.model_name,
-                           is_chat_model=self.is_chat_model, is_function_calling_model=self._template_has_tools())
-
-    def _template_has_tools(self) -> bool:
-        return self._template_chat and template_renders_tools(self._rag.tokenizer)
+                           is_chat_model=self.is_chat_model, is_function_calling_model=calling)
 
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -238,32 +279,23 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
         prompt = self.completion_to_prompt(prompt) if self.completion_to_prompt else prompt
         return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
 
-    def _raw(self, result: Any) -> dict[str, Any]:
-        return {"finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "total_s": result.total_s,
-                "reuse_ratio": result.reuse_ratio, "token_ids": list(result.token_ids),
-                "prompt_tokens": len(result.prompt_token_ids), "stats": dict(result.stats or {})}
+    def _free_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A free (unconstrained) generation's options: the call's, and the stop tokens."""
+        call_kw = self._call_kwargs(kwargs)
+        if self.stopping_ids:
+            from kvboost_rag.adapter import StopOnTokens
+
+            call_kw["logits_processor"] = StopOnTokens(self.stopping_ids)
+        return call_kw
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        result = self._rag.generate(self._full_prompt(prompt, formatted), **self._call_kwargs(kwargs))
-        return CompletionResponse(text=result.text, raw=self._raw(result))
+        return completion(self._rag.generate(self._full_prompt(prompt, formatted), **self._free_kwargs(kwargs)))
 
     def _stream(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         full = self._full_prompt(prompt, formatted)
-        call_kw = self._call_kwargs(kwargs)  # validated now, before the caller iterates
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            pieces = 0
-            for piece in self._rag.stream(full, **call_kw):
-                text += piece
-                pieces += 1
-                yield CompletionResponse(text=text, delta=piece)
-            if pieces == 0:
-                # An empty generation (EOS or a stop string first) still yields one response, as
-                # HuggingFaceLLM does: LlamaIndex's end-of-stream event requires a last response.
-                yield CompletionResponse(text="", delta="")
-
-        return gen()
+        call_kw = self._free_kwargs(kwargs)  # validated now, before the caller iterates
+        done: dict[str, Any] = {}
+        return stream_completions(self._rag.stream(full, on_result=keeper(done), **call_kw), done)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -319,24 +351,20 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
         call_kw.pop("stop", None)  # a stop string would cut the call short
         res, text = generate_tool_call(self._rag, prompt, req.tools, req.name, calls=max_calls(req.parallel),
                                        **call_kw)
-        return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=self._raw(res)),
-                               req.parallel)
+        return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=raw(res),
+                                            additional_kwargs=stats_kwargs(res)), req.parallel)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        from llama_index.core.base.llms.generic_utils import completion_response_to_chat_response
-
         prompt, call_kw, req = self._chat_call(messages, kwargs)
         if req is not None and req.forced:
             return self._forced(prompt, call_kw, req)
-        resp = completion_response_to_chat_response(self._complete(prompt, True, call_kw))
+        resp = to_chat(self._complete(prompt, True, call_kw))
         return with_tool_calls(resp, req.parallel) if req is not None else resp
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        from llama_index.core.base.llms.generic_utils import stream_completion_response_to_chat_response
-
         prompt, call_kw, req = self._chat_call(messages, kwargs)
         if req is None:
-            return stream_completion_response_to_chat_response(self._stream(prompt, True, call_kw))
+            return to_chat_stream(self._stream(prompt, True, call_kw))
         if req.forced:  # a forced call is no text: one response, with the call (generated when iterated)
             self._call_kwargs(call_kw)  # validated now, before the caller iterates
             return (self._forced(prompt, call_kw, req) for _ in range(1))
@@ -363,37 +391,6 @@ class KVBoostLLM(StructuredOutput, FunctionCallingLLM, CustomLLM):
                 yield item
 
         return agen()
-
-    # -- function calling: tools rendered by the chat template, <tool_call> replies parsed ----------------------
-    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
-                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
-                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
-                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """Messages plus the tools as OpenAI schemas, which chat() hands to the chat template (``tools=``; a
-        template without a tools section gets them in the system message). ``tool_required`` (or
-        ``tool_choice`` "required"/a tool's name) constrains the reply to valid calls by grammar: 1..8 of them
-        with ``allow_parallel_tool_calls``, else one (free replies keep their first call, as OpenAI's)."""
-        if not self._template_chat:
-            raise ValueError("function calling needs the tokenizer's chat template; this KVBoostLLM has "
-                             "messages_to_prompt")
-        messages = list(chat_history or [])
-        if user_msg is not None:
-            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
-        schemas = [t.metadata.to_openai_tool() for t in tools]
-        if tool_choice is None and tool_required:
-            tool_choice = "required"
-        tool_request(schemas, tool_choice, allow_parallel_tool_calls)  # a bad tool_choice fails here
-        return {"messages": messages, "tools": schemas, "tool_choice": tool_choice,
-                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
-
-    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
-                                     allow_parallel_tool_calls: bool = True, **kwargs: Any) -> list[Any]:
-        """The reply's ``<tool_call>`` blocks as ToolSelections (ValueError when there is none, if asked); the
-        first alone with ``allow_parallel_tool_calls=False`` (a chat that disallowed them kept one already)."""
-        calls = list(response.message.additional_kwargs.get("tool_calls") or [])
-        if not calls and error_on_no_tool_call:
-            raise ValueError(f"expected at least one tool call in the reply, got {response.message.content!r}")
-        return calls if allow_parallel_tool_calls else calls[:1]
 
 
 __all__ = ["KVBoostLLM", "registry_key", "render_node"]
