@@ -284,3 +284,22 @@ def test_format_speedup():
 
     assert format_speedup(4.0, 1.0) == "4.00x faster"
     assert format_speedup(1.0, 0.0) == "n/a"
+
+
+def test_serve_applies_threads(monkeypatch):
+    """`kvboost-rag serve --threads N` sets torch's thread count before the server starts (it was ignored:
+    _run returned run_serve before set_threads)."""
+    import torch
+
+    from kvboost_rag.app.server import main as server_main
+
+    seen = {}
+
+    def fake_run(args):
+        seen["threads"] = torch.get_num_threads()
+        return 0
+
+    monkeypatch.setattr(server_main, "run", fake_run)
+    want = 3 if torch.get_num_threads() != 3 else 2
+    assert cli.main(["serve", "--model", "demo", "--threads", str(want)]) == 0
+    assert seen["threads"] == want

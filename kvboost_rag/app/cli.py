@@ -326,9 +326,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    set_threads(args.threads, args.model)  # every command, serve included (its worker threads copy it)
     if args.command == "serve":
         return run_serve(args)
-    set_threads(args.threads, args.model)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "warm":
