@@ -303,3 +303,42 @@ def test_serve_applies_threads(monkeypatch):
     want = 3 if torch.get_num_threads() != 3 else 2
     assert cli.main(["serve", "--model", "demo", "--threads", str(want)]) == 0
     assert seen["threads"] == want
+
+
+def test_calibrate_write_refuses_a_setting_that_missed_the_target(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A calibration whose every setting missed the target writes nothing and exits 1 (it used to write the
+    lowest-KL setting over the model's kvboost.json while printing "no setting met the target")."""
+    import shutil
+
+    from kvboost_core import calibrate as cal_mod
+    from kvboost_core.calibrate import DEFAULTS_FILE, Calibration, Trial
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    shipped = model_dir / DEFAULTS_FILE
+    shipped.write_text(json.dumps({"engine": {"recompute_ratio": 0.7}}))
+    missed = Calibration(0.5, 1, False, 0.05, 0.95, (Trial(1, 0.5, 0.5, 0.3, 0.5, 0.5),))
+    monkeypatch.setattr(cal_mod, "calibrate", lambda *a, **kw: missed)
+    rc = cli.main(["calibrate", "--model", str(model_dir), "--prompts", "2", "--write", "--threads", "1"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "no setting met the target" in captured.out and "nothing was written" in captured.err
+    assert json.loads(shipped.read_text()) == {"engine": {"recompute_ratio": 0.7}}  # untouched
+
+
+def test_calibrate_write_keeps_other_settings_of_the_file(tiny_dir, tmp_path, capsys):
+    import shutil
+
+    from kvboost_core.calibrate import DEFAULTS_FILE, load_defaults
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    (model_dir / DEFAULTS_FILE).write_text(json.dumps({"engine": {"chunk_size": 64, "recompute_ratio": 0.9}}))
+    assert cli.main(["calibrate", "--model", str(model_dir), "--prompts", "2", "--max-kl", "1e9", "--min-top1", "0",
+                     "--write", "--threads", "1"]) == 0
+    assert load_defaults(model_dir) == {"chunk_size": 64, "recompute_ratio": 0.15, "check_layer": 1}
+
+
+def test_calibrate_write_refuses_a_zoo_name(capsys):
+    assert cli.main(["calibrate", "--model", "smollm2-135m-instruct", "--write", "--threads", "1"]) == 2
+    assert "shipped" in capsys.readouterr().err

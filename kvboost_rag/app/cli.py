@@ -207,8 +207,14 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from kvboost_core import zoo
     from kvboost_core.calibrate import calibrate, save_defaults
 
+    if args.write and zoo.is_zoo_name(args.model):
+        raise UserError(f"--write: {args.model}'s defaults are shipped with kvboost_core.zoo and rewritten on every "
+                        "load; calibrate a copy of its folder (--model PATH) to keep your own")
+    if args.write and args.model != DEMO and not Path(args.model).is_dir():
+        raise UserError("--write needs a local model directory (the settings are saved beside the weights)")
     loaded = load_engine(args.model)
     docs, prompts = fidelity_prompts(loaded, args.prompts)
     loaded.engine.warm(docs)
@@ -219,11 +225,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for t in cal.trials:
         print(f"{t.check_layer:>12}{t.recompute_ratio:>7.2f}{t.cost:>11.1%}{t.mean_kl:>10.4f}{t.top1_agree:>8.0%}"
               f"{t.recomputed_share:>12.0%}")
-    verdict = "meets the target" if cal.met else "best found; no setting met the target"
-    print(f"-> check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio} ({verdict})")
+    if not cal.met:
+        best = f"check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio}"
+        print(f"-> no setting met the target (the lowest KL tried: {best})"
+              + ("; nothing written" if args.write else ""))
+        print(f"kvboost-rag: error: calibration of {loaded.label} did not meet mean KL <= {args.max_kl} and top-1 "
+              f">= {args.min_top1:.0%} at any setting tried{'; nothing was written' if args.write else ''}",
+              file=sys.stderr)
+        return 1
+    print(f"-> check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio} (meets the target)")
     if args.write:
-        if loaded.model_dir is None:
-            raise SystemExit("--write needs a local model directory (the settings are saved beside the weights)")
+        assert loaded.model_dir is not None  # checked above: a local directory
         print(f"wrote {save_defaults(loaded.model_dir, cal)}")
     return 0
 
@@ -300,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean KL against full prefill to meet (default 0.05)")
     c.add_argument("--min-top1", type=ratio, default=0.95,
                    help="top-1 agreement with full prefill to meet, in [0, 1] (default 0.95)")
-    c.add_argument("--write", action="store_true", help="save the result as kvboost.json beside the weights "
-                                                        "(KVEngine.from_pretrained then uses it by default)")
+    c.add_argument("--write", action="store_true",
+                   help="save the result as kvboost.json beside the weights (KVEngine.from_pretrained then uses it "
+                        "by default); only a setting that met the target is written. Exit status 1 when none did")
 
     for sp in (d, w, f, c):
         sp.add_argument("--threads", type=positive_int, default=None,
