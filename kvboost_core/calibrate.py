@@ -11,6 +11,7 @@ weights, and ``KVEngine.from_pretrained`` applies that file's settings as defaul
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("kvboost_core.calibration")
 
 DEFAULTS_FILE = "kvboost.json"
 # up to 1.0 (every re-placed token recomputed: full-prefill quality, no saving) so a model that needs 0.7, as
@@ -119,6 +122,23 @@ def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_
             return Calibration(ratio, check_layer, True, max_kl, min_top1, tuple(trials))
     best = min(trials, key=lambda t: t.mean_kl)
     return Calibration(best.recompute_ratio, best.check_layer, False, max_kl, min_top1, tuple(trials))
+
+
+def shipped_defaults(model_dir: str | os.PathLike[str], model: Any, tokenizer: Any) -> dict[str, Any]:
+    """The engine defaults of these weights, the same whatever folder they were loaded from: the
+    ``kvboost.json`` beside them when there is one (a calibration of this copy), else the shipped defaults of
+    the zoo model they are (recognised by fingerprint, :func:`kvboost_core.zoo.recognise`), else {}."""
+    if (Path(model_dir) / DEFAULTS_FILE).is_file():
+        return load_defaults(model_dir)
+    from kvboost_core import zoo
+
+    known = zoo.recognise(model, tokenizer)
+    if known is None:
+        return {}
+    found = zoo.shipped_defaults(known)
+    log.info("kvboost: %s holds the weights of %s (same fingerprint); applying its shipped defaults %s",
+             model_dir, known.name, found)
+    return found
 
 
 def load_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
