@@ -7,8 +7,10 @@
     kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.app.bench.ttft)
     kvboost-rag adapt --out DIR ...  (train a reader adapter: kvboost_rag.app.adapt; adapt --help)
 
-``--model`` defaults to the embedded demo model (kvboost_rag/app/assets/demo_model) everywhere; the demo falls back
-to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
+``--model`` defaults to SmolLM2-135M-Instruct (the short name ``smollm2-135m-instruct``, kvboost_core.zoo) in every
+command whose answer matters: demo, warm, fidelity, calibrate and serve. ``--model demo`` is the embedded
+2M-parameter model (kvboost_rag/app/assets/demo_model): fast, what the tests run on, not a real answer; the demo
+falls back to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
 
 A mistake in the arguments or inputs prints one ``kvboost-rag: error: ...`` line and exits 2; ``--debug``
 shows the traceback instead. Nothing heavy (torch, transformers) is imported before a command runs, so
@@ -257,7 +259,8 @@ def run_adapt(rest: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parser
-_MODEL_HELP = "HF model directory or hub id (default: the embedded demo model)"
+_MODEL_HELP = (f"a short name, HF model directory or hub id (default {REAL_MODEL}); '{DEMO}' is the embedded "
+               "2M-parameter model: fast (the tests use it), not a real answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bar while warming")
 
     w = sub.add_parser("warm", help="warm documents into a KV store (memory, disk and/or Redis tiers)")
-    w.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    w.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     w.add_argument("--docs", required=True, help="a directory of .txt files or a .jsonl file with a 'text' field")
     w.add_argument("--store", required=True, action="append", type=store_spec, metavar="SPEC",
                    help=f"a store tier: {STORE_FORMS}; repeat for several tiers (a memory tier is always first)")
@@ -292,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
 
     f = sub.add_parser("fidelity", help="reuse strategies vs full prefill on reordered documents")
-    f.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    f.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     f.add_argument("--prompts", type=positive_int, default=12, help="prompts to compare (default 12)")
     f.add_argument("--repairs", type=repairs_list, default=repairs_list("none,selective,cacheblend"),
                    metavar="LIST", help=f"comma-separated repair modes from {{{','.join(REPAIRS)}}} "
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
     c = sub.add_parser("calibrate", help="the cheapest CacheBlend setting meeting a KL target, for this model")
-    c.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    c.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     c.add_argument("--prompts", type=positive_int, default=20, help="prompts to calibrate on (default 20)")
     c.add_argument("--max-kl", type=nonnegative_float, default=0.05,
                    help="mean KL against full prefill to meet (default 0.05)")
