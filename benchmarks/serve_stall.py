@@ -4,6 +4,13 @@ the largest gap between the running request's tokens while the long prompt is pr
 gap, for each ``--prefill-chunk`` (0: the whole prompt in one iteration, as before chunked prefill).
 
     python benchmarks/serve_stall.py --chunks 0,512,128 --json benchmarks/results/serve_stall.json
+
+``--warm-budgets`` measures the same for a document warm (``POST /v1/documents``: Scheduler.warm) of
+``--warm-docs`` documents arriving while the request decodes: the largest gap while it is warmed, against the
+median gap, per warm budget (0: the whole request in one iteration, as before warms were shared). The goal:
+max gap <= 2x the median, which holds while one document's forward is no longer than a decode step or two.
+
+    python benchmarks/serve_stall.py --chunks '' --warm-budgets 0,256,1 --json benchmarks/results/serve_warm_stall.json
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct when present, else the demo model")
     p.add_argument("--chunks", default="0,512,128", help="--prefill-chunk values to compare (0: off)")
     p.add_argument("--long-tokens", type=int, default=1500)
+    p.add_argument("--warm-budgets", default="", help="warm budgets (tokens per iteration) to compare; 0: whole")
+    p.add_argument("--warm-docs", type=int, default=6, help="documents in the warm request (default 6)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -49,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         text += records[i % len(records)].upper() + "\n"  # upper case: never a warmed or cached text
         i += 1
     results = []
-    for n, chunk in enumerate(int(c) for c in args.chunks.split(",")):
+    for n, chunk in enumerate(int(c) for c in args.chunks.split(",") if c.strip()):
         rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
         sched = Scheduler(base.adapter, max_batch=4, prefill_chunk=chunk or None)
         sched.start()
@@ -86,11 +95,53 @@ def main(argv: list[str] | None = None) -> int:
                "tokens_during_long_prefill": sum(1 for t in times if t_arrive < t < t_first)}
         print(json.dumps(row), flush=True)
         results.append(row)
+    for n, budget in enumerate(int(b) for b in args.warm_budgets.split(",") if b.strip()):
+        row = warm_row(base, records, n, budget, args.warm_docs)
+        print(json.dumps(row), flush=True)
+        results.append(row)
     out = {"model": model, "threads": args.threads, "load_average": os.getloadavg(), "rows": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def warm_row(base: Any, records: list[str], n: int, budget: int, n_docs: int) -> dict[str, Any]:
+    """One running request; a warm of ``n_docs`` new documents arrives; gaps while it is warmed."""
+    from kvboost_core.decode import SamplingParams
+    from kvboost_core.engine import KVEngine
+    from kvboost_rag import KVBoostRAG
+    from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
+
+    rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
+    sched = Scheduler(base.adapter, max_batch=4, warm_budget=budget or 10**9)
+    sched.start()
+    times: list[float] = []
+
+    def running(kind: str, payload: Any) -> None:
+        if kind == "text":
+            times.append(time.perf_counter())
+
+    sched.submit(GenRequest(rag=rag, params=SamplingParams.create(600), emit=running, ignore_eos=True,
+                            prompt=f"Tale {n}: once upon a time"))
+    while len(times) < 8:
+        time.sleep(0.005)
+    docs = [f"Warm run {n}, document {i}. " + records[(n * n_docs + i) % len(records)] for i in range(n_docs)]
+    t_arrive = time.perf_counter()
+    totals = sched.warm(rag, docs).future.result(timeout=3600)
+    t_done = time.perf_counter()
+    n_after = len(times)
+    while len(times) < n_after + 8:
+        time.sleep(0.005)
+    sched.shutdown()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    during = [b - a for a, b in zip(times, times[1:]) if b > t_arrive and a < t_done]
+    median = statistics.median(gaps)
+    worst = max(during) if during else None
+    return {"warm_budget": budget or "whole", "warm_documents": n_docs, "warm_tokens": totals.tokens,
+            "warm_s": t_done - t_arrive, "median_gap_s": median, "max_gap_during_warm_s": worst,
+            "max_over_median": worst / median if worst else None,
+            "tokens_during_warm": sum(1 for t in times if t_arrive < t < t_done)}
 
 
 if __name__ == "__main__":

@@ -131,6 +131,11 @@ class FirstUse:
             if self.done or len(self.docs) < MIN_DOCS:
                 return
             self.done = True
+            # never silently: this runs inside the caller's warm() and takes up to the budget
+            log.warning("kvboost: calibrating CacheBlend for this model on first use, inside this warm() call "
+                        "(up to %.0f s): it has no kvboost.json and is not a known model. Skip it with "
+                        "recompute_ratio=... or KVBOOST_AUTO_CALIBRATE=0, or run engine.calibrate() ahead of "
+                        "time (the result is cached)", engine.config.calibration_budget_s)
             run(engine, self.docs, budget_s=engine.config.calibration_budget_s)
 
 

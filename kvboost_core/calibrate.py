@@ -11,6 +11,7 @@ weights, and ``KVEngine.from_pretrained`` applies that file's settings as defaul
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -20,8 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("kvboost_core.calibration")
+
 DEFAULTS_FILE = "kvboost.json"
-RATIOS = (0.15, 0.3, 0.5)
+# up to 1.0 (every re-placed token recomputed: full-prefill quality, no saving) so a model that needs 0.7, as
+# SmolLM2 does, can be found by the search rather than reported as "no setting met the target"
+RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)
 # EngineConfig fields a defaults file may set (anything else is a caller error, not silently ignored)
 _ALLOWED = {"recompute_ratio", "check_layer", "select", "chunk_size", "boundary_window", "sink_tokens",
             "overlap_k", "kv_bits", "kv_group_size"}
@@ -71,9 +76,10 @@ def cost(check_layer: int, ratio: float, num_layers: int) -> float:
 
 
 def grid(num_layers: int, ratios: Sequence[float] = RATIOS, max_check_layer: int = 3) -> list[tuple[int, float]]:
-    """(check layer, ratio) pairs, cheapest first; check layers stay below the last layer."""
+    """(check layer, ratio) pairs, cheapest first; check layers stay below the last layer. Ratio 1.0 recomputes
+    every layer whatever the check layer, so it is tried once (at the lowest check layer)."""
     layers = range(1, max(2, min(max_check_layer, num_layers - 2) + 1))
-    pairs = [(c, r) for c in layers for r in ratios]
+    pairs = [(c, r) for c in layers for r in ratios if r < 1.0 or c == layers[0]]
     return sorted(pairs, key=lambda p: (cost(p[0], p[1], num_layers), p[0]))
 
 
@@ -118,6 +124,23 @@ def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_
     return Calibration(best.recompute_ratio, best.check_layer, False, max_kl, min_top1, tuple(trials))
 
 
+def shipped_defaults(model_dir: str | os.PathLike[str], model: Any, tokenizer: Any) -> dict[str, Any]:
+    """The engine defaults of these weights, the same whatever folder they were loaded from: the
+    ``kvboost.json`` beside them when there is one (a calibration of this copy), else the shipped defaults of
+    the zoo model they are (recognised by fingerprint, :func:`kvboost_core.zoo.recognise`), else {}."""
+    if (Path(model_dir) / DEFAULTS_FILE).is_file():
+        return load_defaults(model_dir)
+    from kvboost_core import zoo
+
+    known = zoo.recognise(model, tokenizer)
+    if known is None:
+        return {}
+    found = zoo.shipped_defaults(known)
+    log.info("kvboost: %s holds the weights of %s (same fingerprint); applying its shipped defaults %s",
+             model_dir, known.name, found)
+    return found
+
+
 def load_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The engine settings in ``<model_dir>/kvboost.json`` (``{"engine": {...}}``), or {} without the file."""
     path = Path(model_dir) / DEFAULTS_FILE
@@ -137,9 +160,17 @@ def load_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def save_defaults(model_dir: str | os.PathLike[str], calibration: Calibration) -> Path:
-    """Write ``kvboost.json`` (atomically) with the calibrated settings and the measurements behind them."""
+    """Write ``kvboost.json`` (atomically) with the calibrated settings and the measurements behind them.
+
+    Only a calibration that met its target is written (ValueError otherwise: a setting that failed the target
+    must not become every later load's default). Other engine settings already in the file are kept."""
+    if not calibration.met:
+        raise ValueError(f"not writing {DEFAULTS_FILE}: no setting met the target (mean KL <= "
+                         f"{calibration.max_kl}, top-1 >= {calibration.min_top1}); the best tried was "
+                         f"{calibration.defaults()}")
     path = Path(model_dir) / DEFAULTS_FILE
-    body = json.dumps({"engine": calibration.defaults(), "calibration": calibration.to_dict()}, indent=2) + "\n"
+    engine = {**load_defaults(model_dir), **calibration.defaults()}
+    body = json.dumps({"engine": engine, "calibration": calibration.to_dict()}, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kvboost-", suffix=".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -170,9 +170,9 @@ class KVEngine:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, **{**load_kw, "attn_implementation": "eager"})
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
-            from kvboost_core.calibrate import load_defaults
+            from kvboost_core.calibrate import shipped_defaults
 
-            shipped = load_defaults(name_or_path)
+            shipped = shipped_defaults(name_or_path, model, tokenizer)  # or a known model's, by fingerprint
             # without one, calibrate on the first warmed documents, unless the caller chose the repair setting
             chosen = {"recompute_ratio", "check_layer", "repair", "block_adapter"} & set(config_kwargs)
             off = os.environ.get("KVBOOST_AUTO_CALIBRATE", "").lower() in ("0", "false", "off", "no")

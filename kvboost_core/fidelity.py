@@ -141,6 +141,19 @@ def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int
     return toks, ttft
 
 
+def greedy_match(got: Sequence[int], ref: Sequence[int], eos: set[int] | frozenset[int]) -> float:
+    """Share of the reference continuation matched before the first divergence. The reference (HF's greedy
+    decode, which does not stop) is cut after its first EOS, as a generation is: a continuation that ended at
+    the same EOS matches in full rather than counting the tokens past it as a mismatch."""
+    end = next((j + 1 for j, t in enumerate(ref) if t in eos), len(ref))
+    ref = list(ref[:end])
+    got = list(got[: len(ref)])
+    if got == ref:
+        return 1.0
+    first_div = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
+    return first_div / len(ref)
+
+
 def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
            max_new_tokens: int = 16, **repair_kw: Any) -> FidelityReport:
     """Compare each strategy with a full prefill of the same ids. Nothing is stored as a side effect, and
@@ -166,15 +179,11 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
                                   reuse_repaired=False, **repair_kw)
             pre = engine.prefill(prompt, repair=repair, store_prefix=False, reuse_repaired=False, **repair_kw)
             cmp = compare_logits(ref_logits, pre.last_logits)
-            got = res.token_ids[: len(ref_tokens)]
-            match = sum(1 for a, b in zip(got, ref_tokens) if a == b) / len(ref_tokens)
-            # exact-match rate of the continuation up to the first divergence
-            first_div = next((j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), len(got))
             s = res.stats
             total = s["prompt_tokens"]
             report.rows.append(PromptFidelity(
                 prompt=i, repair=repair, max_abs_diff=cmp["max_abs_diff"], kl=cmp["kl"],
-                top1_agree=cmp["top1_agree"], greedy_match=first_div / len(ref_tokens) if match < 1 else 1.0,
+                top1_agree=cmp["top1_agree"], greedy_match=greedy_match(res.token_ids, ref_tokens, engine._eos),
                 reuse_ratio=s["reuse_ratio"], recomputed_share=s["recomputed"] / total,
                 ttft_ratio=res.ttft_s / max(ref_ttft, 1e-9),
                 base_kl=None if base_logits is None else kl_divergence(base_logits, pre.last_logits),

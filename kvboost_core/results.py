@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing the results (e.g. langchain_kvboost) must not load torch
+    import torch
 
 
 @dataclass(slots=True)

@@ -38,6 +38,13 @@ class ZooModel:
     # A block adapter trained for this model and shipped in the package (kvboost_core/zoo_data/<dir>), loaded
     # with ``block_adapter="shipped"``; "" when there is none.
     block_adapter: str = ""
+    # How the same weights are recognised when they are loaded from any other folder (a copy without
+    # kvboost.json, a save_pretrained of the loaded model): ``shape`` (model_type, layers, hidden size,
+    # vocabulary) picks the candidates cheaply from the config, then ``fingerprints`` (kvboost_core.keys
+    # .model_fingerprint of the converted fp32 weights and tokenizer) decides. A transformers upgrade that
+    # changes the config's serialisation changes the fingerprint: tests/test_zoo_fingerprint.py then fails.
+    shape: tuple[str, int, int, int] | None = None
+    fingerprints: tuple[str, ...] = ()
 
 
 SMOLLM2 = ZooModel(
@@ -59,6 +66,8 @@ SMOLLM2 = ZooModel(
     # 37.5% for full prefill, 4% same answers); 0.7 was the cheapest ratio whose accuracy held on the tune split.
     engine_defaults=(("recompute_ratio", 0.7),),
     block_adapter="smollm2-135m-instruct-block",
+    shape=("llama", 30, 576, 49152),
+    fingerprints=("41e58b4e8593a03ba957defb67639804",),  # transformers 5.x, fp32 (as from_pretrained loads it)
 )
 
 MODELS = {SMOLLM2.name: SMOLLM2}
@@ -84,6 +93,30 @@ def shipped_block_adapter(name: str) -> str:
 
 def is_zoo_name(name: str) -> bool:
     return isinstance(name, str) and name.lower() in MODELS
+
+
+def shipped_defaults(model: ZooModel) -> dict[str, object]:
+    """The engine defaults this package ships for ``model`` (what its kvboost.json holds)."""
+    return dict(model.engine_defaults)
+
+
+def config_shape(config: object) -> tuple[object, ...]:
+    """(model_type, layers, hidden size, vocabulary) of a HF config: the cheap first test of :func:`recognise`."""
+    return tuple(getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "hidden_size",
+                                                     "vocab_size"))
+
+
+def recognise(model: object, tokenizer: object) -> ZooModel | None:
+    """The zoo model whose weights these are, by fingerprint, whatever folder they were loaded from; None for
+    any other model. Only a model of a zoo model's shape is fingerprinted (one pass over its weights)."""
+    shape = config_shape(getattr(model, "config", None))
+    candidates = [m for m in MODELS.values() if m.fingerprints and m.shape == shape]
+    if not candidates:
+        return None
+    from kvboost_core.keys import model_fingerprint
+
+    fp = model_fingerprint(model, tokenizer)
+    return next((m for m in candidates if fp in m.fingerprints), None)
 
 
 def gguf_path(model: ZooModel) -> Path | None:
@@ -129,7 +162,7 @@ def _write_defaults(model: ZooModel, folder: Path) -> None:
     """kvboost.json with the shipped engine defaults, rewritten (atomically) only when it differs."""
     from kvboost_core.calibrate import DEFAULTS_FILE
 
-    body = json.dumps({"engine": dict(model.engine_defaults),
+    body = json.dumps({"engine": shipped_defaults(model),
                        "source": "kvboost_core.zoo: shipped defaults for this model"}, indent=2) + "\n"
     path = folder / DEFAULTS_FILE
     try:

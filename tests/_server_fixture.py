@@ -50,7 +50,8 @@ def running_server(tmp: Path, *args: str, keys: dict[str, str] | None = None,
     if not dd.demo_model_available():
         pytest.skip("the embedded demo model is missing")
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvboost_rag.app.cli", "serve", "--port", str(port), *args]
+    model = [] if "--model" in args else ["--model", "demo"]  # serve's default is SmolLM2: too slow for tests
+    cmd = [sys.executable, "-m", "kvboost_rag.app.cli", "serve", "--port", str(port), *model, *args]
     if keys is not None:
         key_file = tmp / "keys.json"
         key_file.write_text(json.dumps(keys))

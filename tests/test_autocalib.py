@@ -58,6 +58,11 @@ def test_first_use_calibrates_once_applies_and_caches(model_tok, cache, caplog):
     assert cal is not None and cal["source"] == "measured" and cal["trials"]
     assert (eng.config.recompute_ratio, eng.config.check_layer) == (cal["recompute_ratio"], cal["check_layer"])
     assert "calibrated CacheBlend" in caplog.text
+    # said before it runs, at a level a default logging setup shows: it runs inside the caller's warm()
+    starts = [r for r in caplog.records if "on first use" in r.getMessage()]
+    assert starts and starts[0].levelname == "WARNING"
+    assert caplog.records.index(starts[0]) < next(i for i, r in enumerate(caplog.records)
+                                                  if "calibrated CacheBlend" in r.getMessage())
     files = list(cache.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["recompute_ratio"] == cal["recompute_ratio"]
     # a second engine on the same model applies the cached result at construction, measuring nothing

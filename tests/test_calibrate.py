@@ -37,6 +37,23 @@ def test_grid_is_cheapest_first_and_below_the_last_layer():
     assert cost(1, 0.15, 24) == pytest.approx((1 + 0.15 * 23) / 24)
 
 
+def test_grid_reaches_the_ratios_a_model_may_need():
+    """SmolLM2 needs r=0.7; a grid stopping at 0.5 could never choose it. 1.0 (full recompute) once."""
+    g = grid(30)
+    assert {0.7, 1.0} <= {r for _, r in g}
+    assert [p for p in g if p[1] == 1.0] == [(1, 1.0)]
+    assert g[-1] == (1, 1.0)  # the dearest
+
+
+def test_save_defaults_refuses_a_missed_target(tmp_path):
+    from kvboost_core.calibrate import Calibration
+
+    missed = Calibration(0.5, 1, False, 0.01, 0.95, ())
+    with pytest.raises(ValueError, match="no setting met the target"):
+        save_defaults(tmp_path, missed)
+    assert not (tmp_path / DEFAULTS_FILE).exists()
+
+
 def test_loose_target_stops_at_the_cheapest_setting(tiny):
     eng, prompts, *_ = tiny
     cal = calibrate(eng, prompts, max_kl=1e9, min_top1=0.0)

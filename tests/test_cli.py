@@ -109,7 +109,8 @@ def test_fidelity_json_parses(tiny_dir, capsys):
 
 @pytest.mark.skipif(not dd.demo_model_available(), reason="the embedded demo model is not built")
 def test_fidelity_table_on_demo_model(capsys):
-    assert cli.main(["fidelity", "--prompts", "3", "--max-new-tokens", "4", "--repairs", "none,cacheblend"]) == 0
+    assert cli.main(["fidelity", "--model", "demo", "--prompts", "3", "--max-new-tokens", "4", "--repairs",
+                     "none,cacheblend"]) == 0
     out = capsys.readouterr().out
     assert "cacheblend" in out and "mean KL" in out
 
@@ -284,3 +285,103 @@ def test_format_speedup():
 
     assert format_speedup(4.0, 1.0) == "4.00x faster"
     assert format_speedup(1.0, 0.0) == "n/a"
+
+
+def test_serve_applies_threads(monkeypatch):
+    """`kvboost-rag serve --threads N` sets torch's thread count before the server starts (it was ignored:
+    _run returned run_serve before set_threads)."""
+    import torch
+
+    from kvboost_rag.app.server import main as server_main
+
+    seen = {}
+
+    def fake_run(args):
+        seen["threads"] = torch.get_num_threads()
+        return 0
+
+    monkeypatch.setattr(server_main, "run", fake_run)
+    want = 3 if torch.get_num_threads() != 3 else 2
+    assert cli.main(["serve", "--model", "demo", "--threads", str(want)]) == 0
+    assert seen["threads"] == want
+
+
+def test_calibrate_write_refuses_a_setting_that_missed_the_target(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A calibration whose every setting missed the target writes nothing and exits 1 (it used to write the
+    lowest-KL setting over the model's kvboost.json while printing "no setting met the target")."""
+    import shutil
+
+    from kvboost_core import calibrate as cal_mod
+    from kvboost_core.calibrate import DEFAULTS_FILE, Calibration, Trial
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    shipped = model_dir / DEFAULTS_FILE
+    shipped.write_text(json.dumps({"engine": {"recompute_ratio": 0.7}}))
+    missed = Calibration(0.5, 1, False, 0.05, 0.95, (Trial(1, 0.5, 0.5, 0.3, 0.5, 0.5),))
+    monkeypatch.setattr(cal_mod, "calibrate", lambda *a, **kw: missed)
+    rc = cli.main(["calibrate", "--model", str(model_dir), "--prompts", "2", "--write", "--threads", "1"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "no setting met the target" in captured.out and "nothing was written" in captured.err
+    assert json.loads(shipped.read_text()) == {"engine": {"recompute_ratio": 0.7}}  # untouched
+
+
+def test_calibrate_write_keeps_other_settings_of_the_file(tiny_dir, tmp_path, capsys):
+    import shutil
+
+    from kvboost_core.calibrate import DEFAULTS_FILE, load_defaults
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    (model_dir / DEFAULTS_FILE).write_text(json.dumps({"engine": {"chunk_size": 64, "recompute_ratio": 0.9}}))
+    assert cli.main(["calibrate", "--model", str(model_dir), "--prompts", "2", "--max-kl", "1e9", "--min-top1", "0",
+                     "--write", "--threads", "1"]) == 0
+    assert load_defaults(model_dir) == {"chunk_size": 64, "recompute_ratio": 0.15, "check_layer": 1}
+
+
+def test_calibrate_write_refuses_a_zoo_name(capsys):
+    assert cli.main(["calibrate", "--model", "smollm2-135m-instruct", "--write", "--threads", "1"]) == 2
+    assert "shipped" in capsys.readouterr().err
+
+
+def test_model_defaults_are_the_real_model_everywhere():
+    """demo defaulted to SmolLM2 while warm, fidelity, calibrate and serve defaulted to the 2M demo model."""
+    base = {"demo": [], "warm": ["--docs", "x", "--store", "memory"], "fidelity": [], "calibrate": [],
+            "serve": []}
+    parser = cli.build_parser()
+    for command, extra in base.items():
+        assert parser.parse_args([command, *extra]).model == cli.REAL_MODEL, command
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_unknown_model_name_is_one_line_at_once(tmp_path, monkeypatch, capsys, offline):
+    """`warm --model no-such-model` retried the hub for 62 s when offline; now one line before any loading."""
+    import time
+
+    from kvboost_rag.app import loading
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "Alice lives in Portvale."}) + "\n")
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=2.0: False)
+    t0 = time.perf_counter()
+    rc = cli.main(["warm", "--model", "no-such-model", "--docs", str(docs), "--store", "memory", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no-such-model" in err and "known short name" in err, err
+    assert ("HF_HUB_OFFLINE" in err) is offline
+    assert time.perf_counter() - t0 < 30  # no hub retries (generous: the machine may be loaded)
+
+
+def test_fidelity_greedy_match_stops_at_eos():
+    """A continuation that ended at EOS where the reference did was counted as a mismatch (the reference ran on
+    past EOS)."""
+    from kvboost_core.fidelity import greedy_match
+
+    assert greedy_match([5, 2], [5, 2, 7, 7], {2}) == 1.0
+    assert greedy_match([5, 3, 4, 4], [5, 2, 7, 7], {2}) == 0.5  # diverged at the reference's EOS
+    assert greedy_match([5, 6, 2], [5, 6, 7, 8], {2}) == 0.5
+    assert greedy_match([1, 2, 3], [1, 2, 3], set()) == 1.0

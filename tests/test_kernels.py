@@ -32,7 +32,23 @@ def test_extension_is_built():
 
 
 def test_backend_names():
-    assert kernels.backend() in ("torch", "cpu-ext", "cuda-ext+cpu-ext")
+    assert kernels.backend() in ("torch", "pending-jit", "cpu-ext", "cuda-ext+cpu-ext")
+
+
+def test_backend_reports_a_pending_jit_build_not_torch(monkeypatch):
+    """Before the first kernel call of an install without the extension, the JIT build may still give native
+    kernels: backend() said "torch" then. It says "pending-jit" until the outcome is known."""
+    from kvboost_core.kernels import jit, ops
+
+    monkeypatch.setattr(kernels, "_ext", None)
+    monkeypatch.setattr(ops, "_jit_tried", False)
+    monkeypatch.setattr(jit, "why_not", lambda: None)
+    assert kernels.backend() == "pending-jit"
+    monkeypatch.setattr(jit, "why_not", lambda: "no C++ compiler (c++/g++) on PATH")
+    assert kernels.backend() == "torch"  # a build is impossible here: the fallback is final
+    monkeypatch.setattr(jit, "why_not", lambda: None)
+    monkeypatch.setattr(ops, "_jit_tried", True)  # tried and failed
+    assert kernels.backend() == "torch"
 
 
 # -- helpers -------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvboost_rag.app.server.ray_serve import replica_params
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     server_main.add_arguments(p)
-    return p.parse_args(list(argv))
+    return p.parse_args(["--model", "demo", *argv])  # serve defaults to SmolLM2: too slow here
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], True), (["--deterministic"], True),

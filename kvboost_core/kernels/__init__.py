@@ -33,9 +33,13 @@ def has_cuda_ext() -> bool:
 
 
 def backend() -> str:
-    """"cuda-ext+cpu-ext", "cpu-ext" or "torch" (the reference fallback)."""
+    """"cuda-ext+cpu-ext", "cpu-ext" or "torch" (the reference fallback, for good); "pending-jit" while no
+    extension is loaded but the first kernel call may still build one (kvboost_core.kernels.ops.ensure_ext):
+    "torch" then would be a guess, not the state."""
     if _ext is None:
-        return "torch"
+        from kvboost_core.kernels import ops
+
+        return "torch" if ops.jit_settled() else "pending-jit"
     return "cuda-ext+cpu-ext" if has_cuda_ext() else "cpu-ext"
 
 

@@ -56,6 +56,15 @@ def ensure_ext() -> bool:
     return _k.has_ext()
 
 
+def jit_settled() -> bool:
+    """Whether the extension's availability is final: loaded, JIT tried, or a JIT build impossible here."""
+    if _k._ext is not None or _jit_tried:
+        return True
+    from kvboost_core.kernels import jit
+
+    return jit.why_not() is not None
+
+
 def _ext_device(device: torch.device) -> bool:
     if not ensure_ext():
         return False

@@ -7,8 +7,10 @@
     kvboost-rag bench ...            (arguments are forwarded to kvboost_rag.app.bench.ttft)
     kvboost-rag adapt --out DIR ...  (train a reader adapter: kvboost_rag.app.adapt; adapt --help)
 
-``--model`` defaults to the embedded demo model (kvboost_rag/app/assets/demo_model) everywhere; the demo falls back
-to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
+``--model`` defaults to SmolLM2-135M-Instruct (the short name ``smollm2-135m-instruct``, kvboost_core.zoo) in every
+command whose answer matters: demo, warm, fidelity, calibrate and serve. ``--model demo`` is the embedded
+2M-parameter model (kvboost_rag/app/assets/demo_model): fast, what the tests run on, not a real answer; the demo
+falls back to the tiny random model of :mod:`kvboost_rag.tiny` when that asset is missing.
 
 A mistake in the arguments or inputs prints one ``kvboost-rag: error: ...`` line and exits 2; ``--debug``
 shows the traceback instead. Nothing heavy (torch, transformers) is imported before a command runs, so
@@ -207,8 +209,14 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from kvboost_core import zoo
     from kvboost_core.calibrate import calibrate, save_defaults
 
+    if args.write and zoo.is_zoo_name(args.model):
+        raise UserError(f"--write: {args.model}'s defaults are shipped with kvboost_core.zoo and rewritten on every "
+                        "load; calibrate a copy of its folder (--model PATH) to keep your own")
+    if args.write and args.model != DEMO and not Path(args.model).is_dir():
+        raise UserError("--write needs a local model directory (the settings are saved beside the weights)")
     loaded = load_engine(args.model)
     docs, prompts = fidelity_prompts(loaded, args.prompts)
     loaded.engine.warm(docs)
@@ -219,11 +227,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for t in cal.trials:
         print(f"{t.check_layer:>12}{t.recompute_ratio:>7.2f}{t.cost:>11.1%}{t.mean_kl:>10.4f}{t.top1_agree:>8.0%}"
               f"{t.recomputed_share:>12.0%}")
-    verdict = "meets the target" if cal.met else "best found; no setting met the target"
-    print(f"-> check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio} ({verdict})")
+    if not cal.met:
+        best = f"check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio}"
+        print(f"-> no setting met the target (the lowest KL tried: {best})"
+              + ("; nothing written" if args.write else ""))
+        print(f"kvboost-rag: error: calibration of {loaded.label} did not meet mean KL <= {args.max_kl} and top-1 "
+              f">= {args.min_top1:.0%} at any setting tried{'; nothing was written' if args.write else ''}",
+              file=sys.stderr)
+        return 1
+    print(f"-> check_layer={cal.check_layer}, recompute_ratio={cal.recompute_ratio} (meets the target)")
     if args.write:
-        if loaded.model_dir is None:
-            raise SystemExit("--write needs a local model directory (the settings are saved beside the weights)")
+        assert loaded.model_dir is not None  # checked above: a local directory
         print(f"wrote {save_defaults(loaded.model_dir, cal)}")
     return 0
 
@@ -245,7 +259,8 @@ def run_adapt(rest: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parser
-_MODEL_HELP = "HF model directory or hub id (default: the embedded demo model)"
+_MODEL_HELP = (f"a short name, HF model directory or hub id (default {REAL_MODEL}); '{DEMO}' is the embedded "
+               "2M-parameter model: fast (the tests use it), not a real answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bar while warming")
 
     w = sub.add_parser("warm", help="warm documents into a KV store (memory, disk and/or Redis tiers)")
-    w.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    w.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     w.add_argument("--docs", required=True, help="a directory of .txt files or a .jsonl file with a 'text' field")
     w.add_argument("--store", required=True, action="append", type=store_spec, metavar="SPEC",
                    help=f"a store tier: {STORE_FORMS}; repeat for several tiers (a memory tier is always first)")
@@ -280,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
 
     f = sub.add_parser("fidelity", help="reuse strategies vs full prefill on reordered documents")
-    f.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    f.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     f.add_argument("--prompts", type=positive_int, default=12, help="prompts to compare (default 12)")
     f.add_argument("--repairs", type=repairs_list, default=repairs_list("none,selective,cacheblend"),
                    metavar="LIST", help=f"comma-separated repair modes from {{{','.join(REPAIRS)}}} "
@@ -294,14 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
     c = sub.add_parser("calibrate", help="the cheapest CacheBlend setting meeting a KL target, for this model")
-    c.add_argument("--model", default=DEMO, help=_MODEL_HELP)
+    c.add_argument("--model", default=REAL_MODEL, help=_MODEL_HELP)
     c.add_argument("--prompts", type=positive_int, default=20, help="prompts to calibrate on (default 20)")
     c.add_argument("--max-kl", type=nonnegative_float, default=0.05,
                    help="mean KL against full prefill to meet (default 0.05)")
     c.add_argument("--min-top1", type=ratio, default=0.95,
                    help="top-1 agreement with full prefill to meet, in [0, 1] (default 0.95)")
-    c.add_argument("--write", action="store_true", help="save the result as kvboost.json beside the weights "
-                                                        "(KVEngine.from_pretrained then uses it by default)")
+    c.add_argument("--write", action="store_true",
+                   help="save the result as kvboost.json beside the weights (KVEngine.from_pretrained then uses it "
+                        "by default); only a setting that met the target is written. Exit status 1 when none did")
 
     for sp in (d, w, f, c):
         sp.add_argument("--threads", type=positive_int, default=None,
@@ -326,9 +342,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    set_threads(args.threads, args.model)  # every command, serve included (its worker threads copy it)
     if args.command == "serve":
         return run_serve(args)
-    set_threads(args.threads, args.model)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "warm":

@@ -32,9 +32,48 @@ def _model_dir(model: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the HF hub (``HF_ENDPOINT`` or huggingface.co) accepts a TCP connection within ``timeout``."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_model_name(model: str) -> None:
+    """Say at once when ``model`` can be nothing loadable: not a local folder, not a short name, not in the
+    local HF cache, and the hub off or unreachable (transformers would retry the hub for about a minute)."""
+    import os
+
+    from kvboost_core import zoo
+
+    if model == DEMO or zoo.is_zoo_name(model) or Path(model).is_dir():
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - not a valid hub id either: the checks below say what it is not
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline or not _hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise UserError(f"--model {model}: not a local model directory, a known short name "
+                        f"({', '.join([*sorted(zoo.MODELS), DEMO])}) or a model in the local HF cache, and {why}")
+
+
 def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Loaded:
     """A KVEngine on CPU-or-CUDA for ``model``; with ``allow_tiny`` a missing demo asset falls back to the tiny
     random model (and says so) instead of failing."""
+    if not (model.startswith((".", "/", "~")) or Path(model).exists()):  # a path is checked below
+        check_model_name(model)
     from kvboost_core.engine import KVEngine
 
     if model == DEMO and not dd.demo_model_available():

@@ -41,21 +41,39 @@ def create_app(state: ServerState) -> FastAPI:
                 "queued": state.scheduler.queue_depth, "deterministic": state.scheduler.decoder.deterministic}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        body = state.metrics.render(state.scheduler, state.store_stats)
+    async def metrics(request: Request) -> Response:
+        if state.keyring.enabled:  # tenants: a key is needed, and a caller sees its own namespace only
+            ns = state.namespace_of(request.headers.get("authorization"))
+            body = state.metrics.render(state.scheduler, lambda: {k: v for k, v in state.store_stats().items()
+                                                                  if k == ns})
+        else:
+            body = state.metrics.render(state.scheduler, state.store_stats)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvboost-rag"}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.namespace_of(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "kvboost-rag"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:  # client.models.retrieve
+        state.namespace_of(request.headers.get("authorization"))
+        if model_id not in state.model_aliases:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found", type="not_found_error")
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatRequest, request: Request) -> Response:
         rag = _rag(state, body.model, request)
         req = _request(state, rag, body, body.token_limit, fill_context=True, ignore_eos=body.ignore_eos)
-        req.messages = body.chat_dicts()
+        try:
+            req.messages = body.chat_dicts()
+        except ValueError as exc:  # e.g. a content part this server cannot read: the client's error
+            raise APIError(400, str(exc), param="messages") from None
         await catalogue.sync(state, rag)
         return await _respond(state, req, body, request, chat=True)
 
@@ -71,9 +89,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/documents")
     async def documents(body: P.DocumentsRequest, request: Request) -> dict[str, Any]:
         ns = state.namespace_of(request.headers.get("authorization"))
+        _check_documents(state, body.documents)
         rag = state.rag(ns)
-        fut = state.scheduler.call(lambda: rag.warm_documents(body.documents, progress=False))
-        rep = await asyncio.wrap_future(fut)
+        # warmed piece by piece between decode steps (server.warmjob): running streams keep flowing
+        rep = await asyncio.wrap_future(state.scheduler.warm(rag, body.documents).future)
         await catalogue.publish(state, rag, body.documents)
         state.metrics.requests.labels("/v1/documents", "200").inc()
         return {"object": "documents.warm", "namespace": ns, "documents": rep.documents, "warmed": rep.warmed,
@@ -99,6 +118,19 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _check_documents(state: ServerState, documents: list[str]) -> None:
+    """The request limits of ``/v1/documents`` (--max-documents, --max-document-bytes): 413 over them."""
+    if len(documents) > state.max_documents:
+        raise APIError(413, f"documents: {len(documents)} documents in one request; at most {state.max_documents} "
+                            "(--max-documents); send them in several requests", param="documents",
+                       code="too_many_documents")
+    size = sum(len(d.encode("utf-8", "surrogatepass")) for d in documents)
+    if size > state.max_document_bytes:
+        raise APIError(413, f"documents: {size} bytes of text in one request; at most {state.max_document_bytes} "
+                            "(--max-document-bytes); send them in several requests", param="documents",
+                       code="request_too_large")
+
+
 def _rag(state: ServerState, model: str, request: Request) -> Any:
     ns = state.namespace_of(request.headers.get("authorization"))
     if model not in state.model_aliases:
@@ -189,7 +221,8 @@ def _sse_line(obj: Any) -> str:
 async def _sse(state: ServerState, q: asyncio.Queue, req: GenRequest, first: Started, deadline: float, rid: str,
                created: int, chat: bool, include_usage: bool, endpoint: str) -> AsyncIterator[str]:
     model = state.model_name
-    status = "200"
+    status = "499"  # until the stream is sent to its end: a client that goes away is not a 200
+    ended = None  # the status the stream ends with once [DONE] is out: 200, or the error it carried
     try:
         if chat:
             yield _sse_line(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
@@ -197,18 +230,19 @@ async def _sse(state: ServerState, q: asyncio.Queue, req: GenRequest, first: Sta
             try:
                 kind, payload = await _next(state, q, req, deadline, None)
             except APIError as exc:  # timed out mid-stream
-                status = str(exc.status)
+                ended = str(exc.status)
                 yield _sse_line(exc.body())
                 break
             if kind == "text":
                 yield _sse_line(P.chat_chunk(rid, model, created, {"content": payload}, None) if chat else
                                 P.completion_body(rid, model, created, payload, None, None, chunk=True))
             elif kind == "error":
-                status = str(payload.status)
+                ended = str(payload.status)
                 yield _sse_line(payload.body())
                 break
             elif kind == "done":
                 assert isinstance(payload, Finished)
+                ended = "200"
                 yield _sse_line(P.chat_chunk(rid, model, created, {}, payload.reason) if chat else
                                 P.completion_body(rid, model, created, "", payload.reason, None, chunk=True))
                 if include_usage:
@@ -218,6 +252,7 @@ async def _sse(state: ServerState, q: asyncio.Queue, req: GenRequest, first: Sta
                                                       choices=False))
                 break
         yield "data: [DONE]\n\n"
+        status = ended or status
     finally:
         # a client that went away cancels the generator here: free the slot at the next decode step
         state.scheduler.cancel(req)

@@ -89,7 +89,10 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
                           step_delay=args.debug_step_delay, aliases=aliases,
                           prefill_chunk=getattr(args, "prefill_chunk", 0) or None,
-                          deterministic=getattr(args, "deterministic", True))
+                          deterministic=getattr(args, "deterministic", True),
+                          warm_budget=getattr(args, "warm_budget", 256),
+                          max_documents=getattr(args, "max_documents", 256),
+                          max_document_bytes=getattr(args, "max_document_bytes", 8 * 2**20))
     state.default_temperature = args.default_temperature
     if replica is not None:
         from kvboost_rag.app.server.catalogue import for_store

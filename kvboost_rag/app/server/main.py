@@ -23,7 +23,9 @@ def parse_size(value: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="HF model path or id (default: the embedded demo model)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a short name, HF model directory or hub id (default smollm2-135m-instruct); 'demo' is the "
+                        "embedded 2M-parameter model: fast (the tests use it), not a real answer")
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
                                                 "the server has no authentication, so keep it on loopback)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -37,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked prefill: a long prompt's head is computed about this many tokens per scheduler "
                         "iteration, between the running requests' decode steps (default 512; 0: whole prompts). "
                         "Outputs do not depend on it")
+    p.add_argument("--warm-budget", type=positive_int, default=256, metavar="TOKENS",
+                   help="POST /v1/documents is warmed between decode steps, about this many document tokens per "
+                        "scheduler iteration (one document at least) (default 256)")
+    p.add_argument("--max-documents", type=positive_int, default=256, metavar="N",
+                   help="documents one POST /v1/documents may send; more is answered 413 (default 256)")
+    p.add_argument("--max-document-bytes", type=parse_size, default=8 * 2**20, metavar="SIZE",
+                   help="bytes of document text one POST /v1/documents may send; more is answered 413 "
+                        "(default 8MiB)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="a request's output does not depend on the requests batched with it, to the last bit of "
                         "its logits (default); --no-deterministic runs each decode step as plain batched calls, "

@@ -89,6 +89,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        """Only text parts: an image_url (or any other) part is the client's 400, not a 500 later."""
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got a {part.get('type')!r} part")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -1,6 +1,7 @@
 """Continuous batching at iteration level (Orca / vLLM style), on one engine thread.
 
-Each loop iteration: run queued tasks (document warming), drop cancelled requests, admit at most one waiting
+Each loop iteration: run queued tasks, advance the document warm in progress by about ``warm_budget`` tokens
+(kvboost_rag.app.server.warmjob: one document at least), drop cancelled requests, admit at most one waiting
 request, advance the prefill in progress by one piece, then one batched decode step for every running request.
 Chunked prefill (``prefill_chunk`` tokens, ``--prefill-chunk``): a prompt's head (everything before its first
 re-placed document, e.g. all of a long cold prompt but its last chunk) is computed about ``prefill_chunk``
@@ -31,7 +32,9 @@ import torch
 
 from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
 from kvboost_core.decode import SamplingParams, TextStream, sample
+from kvboost_rag.aio import thread_setting
 from kvboost_rag.app.server.protocol import APIError
+from kvboost_rag.app.server.warmjob import WarmJob
 
 log = logging.getLogger("kvboost_rag.app.server")
 
@@ -75,13 +78,18 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
-                 step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True) -> None:
+                 step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True,
+                 warm_budget: int = 256) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if isinstance(warm_budget, bool) or not isinstance(warm_budget, int) or warm_budget < 1:
+            raise ValueError(f"warm_budget must be an int >= 1, got {warm_budget!r}")
+        self.warm_budget = warm_budget
+        self._warms: collections.deque[WarmJob] = collections.deque()  # document warms, oldest first
         self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
         self.decoder = BatchedDecoder(adapter, max_batch, deterministic=deterministic)
         self.max_queue = max_queue
@@ -93,6 +101,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
+        self._apply_threads = thread_setting()  # --threads, set in this (the main) thread, for the engine thread
         self._tokens_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
 
     # ------------------------------------------------------------------ public (any thread)
@@ -125,6 +134,15 @@ class Scheduler:
             self._cv.notify()
         return fut
 
+    def warm(self, rag: Any, texts: list[str]) -> WarmJob:
+        """Warm ``texts`` into ``rag`` on the engine thread, a piece per iteration between decode steps; the
+        job's ``future`` resolves to its :class:`WarmTotals` (or an APIError)."""
+        job = WarmJob(rag, list(texts), self.warm_budget)
+        with self._cv:
+            self._warms.append(job)
+            self._cv.notify()
+        return job
+
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
@@ -142,17 +160,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
+        self._apply_threads()
         while True:
             with self._cv:
-                while not (self._stop or self._tasks or self._running or self._pending or self._prefilling):
+                while not (self._stop or self._tasks or self._running or self._pending or self._prefilling
+                           or self._warms):
                     self._cv.wait(timeout=1.0)
                 if self._stop:
                     break
                 task = self._tasks.popleft() if self._tasks else None
+                job = self._warms[0] if self._warms else None
                 free = self.decoder.free and self._prefilling is None
                 req = self._pending.popleft() if self._pending and free else None
             if task is not None:
                 self._run_task(*task)
+            if job is not None:
+                self._advance_warm(job)
             try:
                 self._drop_cancelled()
                 if req is not None:
@@ -165,6 +188,9 @@ class Scheduler:
                 log.error("scheduler iteration failed: %s; failing %d running requests", type(exc).__name__,
                           len(self._running))
                 self._fail_running()
+        for job in self._warms:
+            if not job.future.done():
+                job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
         held = [self._prefilling[0]] if self._prefilling is not None else []
         for r in [*self._pending, *held, *self._running.values()]:
             r.emit("error", APIError(503, "the server is shutting down", type="server_error"))
@@ -182,6 +208,19 @@ class Scheduler:
             fut.set_result(fn())
         except BaseException as exc:  # handed to the caller's thread
             fut.set_exception(exc)
+
+    def _advance_warm(self, job: WarmJob) -> None:
+        """One piece of the oldest document warm (the others wait their turn: one warm at a time keeps the
+        gap a stream sees to one piece)."""
+        try:
+            job.step()
+        except Exception as exc:  # a document refused or a failing engine: that request fails, the loop goes on
+            if not isinstance(exc, ValueError):
+                log.error("warming failed: %s", type(exc).__name__)  # never the documents
+            job.fail(exc)
+        if job.future.done():
+            with self._cv:
+                self._warms.popleft()
 
     def _drop_cancelled(self) -> None:
         if self._prefilling is not None and self._prefilling[0].cancelled:

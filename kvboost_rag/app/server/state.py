@@ -24,6 +24,8 @@ class ServerState:
     request_timeout: float = 300.0
     default_temperature: float = 1.0  # OpenAI's default when a request gives none
     model_aliases: frozenset[str] = frozenset()
+    max_documents: int = 256  # per POST /v1/documents (--max-documents)
+    max_document_bytes: int = 8 * 2**20  # of document text per POST /v1/documents (--max-document-bytes)
     replica: str | None = None  # this process's name among several (Ray Serve replicas); None when alone
     catalogue: Any = None  # server.catalogue.DocumentCatalogue: documents warmed by the other processes
     created: int = field(default_factory=lambda: int(time.time()))
@@ -78,13 +80,16 @@ def namespaced_store(spec: Any, namespace: str) -> Any:
 def default_state(rag: Any, model_name: str, *, keys: dict[str, str] | None = None, max_batch: int = 8,
                   max_queue: int = 64, request_timeout: float = 300.0, step_delay: float = 0.0,
                   aliases: tuple[str, ...] = (), prefill_chunk: int | None = None,
-                  deterministic: bool = True) -> ServerState:
+                  deterministic: bool = True, warm_budget: int = 256, max_documents: int = 256,
+                  max_document_bytes: int = 8 * 2**20) -> ServerState:
     metrics = Metrics()
     keyring = KeyRing(keys)
     scheduler = Scheduler(rag.engine.adapter, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
-                          step_delay=step_delay, prefill_chunk=prefill_chunk, deterministic=deterministic)
+                          step_delay=step_delay, prefill_chunk=prefill_chunk, deterministic=deterministic,
+                          warm_budget=warm_budget)
     state = ServerState(rag, model_name, scheduler, keyring, metrics, request_timeout=request_timeout,
-                        model_aliases=frozenset(aliases))
+                        model_aliases=frozenset(aliases), max_documents=max_documents,
+                        max_document_bytes=max_document_bytes)
     scheduler.start()
     return state
 
