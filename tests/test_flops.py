@@ -43,10 +43,12 @@ def test_full_prefill_flops_match_the_counter(gqa_engine):
     assert counted == full_prefill_flops(shape, t) + square_extra
 
 
-@pytest.mark.parametrize("block_rows", [0, 16, 256])
-@pytest.mark.parametrize("kw", [dict(repair="cacheblend", recompute_ratio=0.5),
-                                dict(repair="cacheblend", recompute_ratio=0.15, recheck_layer=2, recheck_ratio=0.05),
-                                dict(repair="selective"), dict(repair="none")])
+@pytest.mark.parametrize(("kw", "block_rows"), [
+    (dict(repair="cacheblend", recompute_ratio=0.5), 16),
+    (dict(repair="cacheblend", recompute_ratio=0.5), 0),  # the former dense mask: every row reads every key
+    (dict(repair="cacheblend", recompute_ratio=0.15, recheck_layer=2, recheck_ratio=0.05), 256),
+    (dict(repair="none"), 16),
+])
 def test_reuse_prefill_flops_match_the_counter(gqa_engine, monkeypatch, kw, block_rows):
     monkeypatch.setattr(attention, "BLOCK_ROWS", block_rows)
     prompt = docs_prompt([CORPUS[2], CORPUS[0], CORPUS[4], CORPUS[1]], " Who repairs bicycles in town?")

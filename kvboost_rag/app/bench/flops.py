@@ -91,3 +91,67 @@ def trace_flops(shape: Shape, traces: Sequence[Any]) -> PrefillFlops:
             kept = sum(tr.tokens_per_layer[c] for c in tr.check_layers)
             ideal += max(tr.kv_only_tokens - kept, 0) * shape.kv_flops
     return PrefillFlops(ideal, implemented)
+
+
+def speedup(ratio: float) -> str:
+    """full / reuse as "N.NNx faster", or "N.NNx slower" below 1."""
+    if ratio <= 0:
+        return "n/a"
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+
+
+def flop_summary(shape: Shape, tokens: int, rows: Sequence[dict[str, Any]], wall_fraction: float
+                 ) -> dict[str, float]:
+    """One setting's fractions of a full prefill of ``tokens``: ideal and implemented FLOPs (medians over its
+    prompts), the measured wall time, and the efficiency ideal / measured (1.0: as fast as its FLOPs allow)."""
+    full = full_prefill_flops(shape, tokens)
+    if "flops_ideal" not in rows[0]:  # full prefill itself
+        return {"flops_ideal_fraction": 1.0, "flops_implemented_fraction": 1.0, "wall_fraction": 1.0,
+                "efficiency": 1.0}
+    ideal = sorted(r["flops_ideal"] for r in rows)[len(rows) // 2] / full
+    impl = sorted(r["flops_implemented"] for r in rows)[len(rows) // 2] / full
+    return {"flops_ideal_fraction": ideal, "flops_implemented_fraction": impl, "wall_fraction": wall_fraction,
+            "efficiency": ideal / wall_fraction if wall_fraction > 0 else 0.0}
+
+
+def print_flops(methods: dict[str, dict[str, Any]]) -> None:
+    print(f"  {'':<15} {'ideal FLOPs':>12} {'implemented':>12} {'measured wall':>14} {'efficiency':>11}")
+    for m, s in methods.items():
+        if "efficiency" in s:
+            print(f"  {m:<15} {s['flops_ideal_fraction']:>12.3f} {s['flops_implemented_fraction']:>12.3f}"
+                  f" {s['wall_fraction']:>14.3f} {s['efficiency']:>11.2f}")
+
+
+def plot_flops(result: dict[str, Any], path: str) -> None:
+    """Per setting at the longest context: ideal and implemented FLOP fractions beside the wall fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = result["workload_a"]["sizes"]
+    entry = max(sizes.values(), key=lambda v: v["context_tokens"])
+    names = [m for m, s in entry["methods"].items() if "efficiency" in s and m != "full"]
+    if not names:
+        return
+    keys = (("flops_ideal_fraction", "ideal FLOPs"), ("flops_implemented_fraction", "implemented FLOPs"),
+            ("wall_fraction", "measured wall time"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.27
+    for i, (key, label) in enumerate(keys):
+        xs = [j + (i - 1) * width for j in range(len(names))]
+        ax.bar(xs, [entry["methods"][m][key] for m in names], width, label=label)
+    for j, m in enumerate(names):
+        ax.annotate(f"eff {entry['methods'][m]['efficiency']:.2f}", (j, entry["methods"][m]["wall_fraction"]),
+                    textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel("fraction of HF full prefill")
+    ax.set_title(f"FLOP model vs wall time — {result['model']}, {entry['context_tokens']} tokens, "
+                 f"{result['machine']['cpu_threads']} threads")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
