@@ -94,6 +94,12 @@ def _reuse_kwargs(method: str) -> dict[str, Any]:
     return {"repair": method}
 
 
+def _block_rows() -> int:
+    from kvboost_core import attention
+
+    return attention.BLOCK_ROWS
+
+
 def _sync() -> None:
     """GPU work is asynchronous: a timer must wait for it (a no-op on CPU)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -195,8 +201,9 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
     cfg = engine.config
     chunk = peer_chunk_size(system_tokens, doc_tokens)
     peer, peer_info = (load_peer(engine.model, engine.tokenizer, lead, chunk, cfg.recompute_ratio,
-                                 cfg.max_cache_bytes) if text_ok
-                       else (None, "the tokenizer has no text-stable word vocabulary for the peer"))
+                                 cfg.max_cache_bytes) if text_ok and (not only or "peer" in only)
+                       else (None, "not selected (--methods)" if text_ok
+                             else "the tokenizer has no text-stable word vocabulary for the peer"))
     peer_name = peer.name if peer is not None else ""  # kept after a failure: its rounds are then skipped
 
     def peer_failed(exc: Exception, where: str) -> None:  # its errors are recorded, never fatal to ours
@@ -213,10 +220,8 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
     rows: dict[int, dict[str, list[dict[str, Any]]]] = {n: defaultdict(list) for n in sizes}
     reuse = [*REUSE_METHODS, *(f"cacheblend-{r:g}" for r in ratios)]
     methods = ["full", "prefix_cache", "cold", *reuse, *([peer_name] if peer else []), "exact_repeat"]
-    if only:  # a subset (long contexts on a slow machine); full prefill is always the reference
-        methods = ["full", *(m for m in methods if m in only and m != "full")]
-        if peer_name and peer_name not in methods:
-            peer, peer_info, peer_name = None, "not selected (--methods)", ""
+    if only:  # a subset (long contexts on a slow machine); full prefill is always the reference ("peer": the peer)
+        methods = ["full", *(m for m in methods if (m in only or (m == peer_name and "peer" in only)) and m != "full")]
     shape = Shape.of(engine.model.config)
     for r in range(rounds):
         for n in sizes:
@@ -399,11 +404,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratios", default="", help="extra CacheBlend recompute ratios, e.g. 0.15,0.3,0.5,0.7")
     ap.add_argument("--methods", default="", help="run only these methods (comma-separated; full always runs)")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--block-rows", type=int, default=None,
+                    help="query rows per attention block (0: the former dense mask, for comparison)")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.block_rows is not None:
+        from kvboost_core import attention
+
+        attention.BLOCK_ROWS = args.block_rows
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA build of torch and a visible GPU; use --device cpu")
 
@@ -423,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
                     "torch": torch.__version__, "device": str(model.device), "dtype": str(dtype).removeprefix("torch."),
                     "gpu": torch.cuda.get_device_name() if model.device.type == "cuda" else None},
+        "attention_block_rows": _block_rows(),
         "engine": {"chunk_size": engine.config.chunk_size, "recompute_ratio": engine.config.recompute_ratio,
                    "select": engine.config.select, "overlap_k": engine.config.overlap_k,
                    "sink_tokens": engine.config.sink_tokens},
