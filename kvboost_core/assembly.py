@@ -179,8 +179,12 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
 
 def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rotary_emb) -> None:
     """Write every placement's K/V into the per-layer buffers (1, H, T, D), dequantizing once and re-rotating
-    keys that moved, in one fused pass per placement (native kernel when built, torch reference otherwise)."""
+    keys that moved, in one fused pass per placement (native kernel when built, torch reference otherwise).
+
+    A placement moves all its tokens by one delta, so its rotation is one cos/sin row: computed once per
+    distinct delta (a document's chunks share theirs) and broadcast, not evaluated per token."""
     device = keys[0].device
+    by_delta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for pl in plan.placements:
         cos = sin = None
         if getattr(pl.block.payload, "keys_pre_rope", False):
@@ -188,8 +192,11 @@ def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rota
             pos = torch.arange(pl.dst, pl.dst + pl.length, dtype=torch.long, device=device)
             cos, sin = delta_cos_sin(rotary_emb, pos)  # (n, R) fp32
         elif pl.delta != 0:
-            deltas = torch.full((pl.length,), pl.delta, dtype=torch.long, device=device)
-            cos, sin = delta_cos_sin(rotary_emb, deltas)  # (n, R) fp32
+            if pl.delta not in by_delta:
+                by_delta[pl.delta] = delta_cos_sin(rotary_emb, torch.tensor([pl.delta], device=device))  # (1, R)
+            row_cos, row_sin = by_delta[pl.delta]
+            cos = row_cos.expand(pl.length, -1).contiguous()  # (n, R): the kernels take dense rows
+            sin = row_sin.expand(pl.length, -1).contiguous()
         place_block(pl.block.payload, pl.src, pl.length, keys, values, pl.dst, cos, sin)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvboost_core import attention
 from kvboost_core.adapters import ModelAdapter
 from kvboost_core.invariant import row_tiled, rowwise_attention
 from kvboost_core.results import PrefillResult
@@ -287,19 +288,19 @@ class BatchedDecoder:
             yield
 
     def _masks(self, pos: torch.Tensor, length: int) -> dict[int | None, torch.Tensor]:
-        """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding."""
+        """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding. Additive
+        float masks built once per step (0 / -inf under SDPA, as SDPA itself would convert a bool mask in every
+        layer; 0 / finfo.min under eager, as the model's own masks)."""
         a = self.adapter
         k_pos = torch.arange(length, device=pos.device).view(1, -1)
         q_pos = pos.view(-1, 1)
+        eager = attention.base_impl(a.model.config) == "eager"
+        neg = torch.finfo(a.dtype).min if eager else float("-inf")
         out: dict[int | None, torch.Tensor] = {}
         for window in set(a.windows):
             allowed = k_pos <= q_pos
             if window is not None:
                 allowed &= k_pos > (q_pos - window)
             allowed = allowed.view(pos.numel(), 1, 1, length)  # (n, 1, 1, T)
-            if a.model.config._attn_implementation == "eager":
-                neg = torch.finfo(a.dtype).min
-                out[window] = torch.zeros(allowed.shape, dtype=a.dtype, device=pos.device).masked_fill(~allowed, neg)
-            else:
-                out[window] = allowed
+            out[window] = torch.zeros(allowed.shape, dtype=a.dtype, device=pos.device).masked_fill(~allowed, neg)
         return out

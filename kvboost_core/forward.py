@@ -10,12 +10,15 @@ check layer and every layer above for those alone: the saving is real rather tha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvboost_core import attention
 from kvboost_core.adapters import ModelAdapter, ScatterCache
 
 # score(fresh_k, cached_k, fresh_v, cached_v, positions) -> (n,) higher = recompute first
@@ -55,16 +58,73 @@ class ForwardTrace:
     tokens_per_layer: list[int] = field(default_factory=list)  # tokens through each whole layer
     kv_only_tokens: int = 0  # tokens whose K/V alone were computed at the check layer
     selected: torch.Tensor | None = None  # positions CacheBlend kept recomputing
+    # Attention work per layer, in (query, key) pairs: the causal minimum for the rows computed (each reads
+    # keys up to its own position) and what the kernels were asked to compute (whole query blocks' key spans,
+    # or every key under the former dense mask). A cold SDPA prefill's fused causal kernel counts as causal.
+    causal_pairs: list[int] = field(default_factory=list)
+    computed_pairs: list[int] = field(default_factory=list)
+    length: int = 0  # keys attended: [0, length)
+    check_layers: list[int] = field(default_factory=list)  # layers that ran a K/V-only scoring pass
 
 
-def _masks(adapter: ModelAdapter, positions: torch.Tensor, length: int) -> list[torch.Tensor | None]:
-    by_window: dict[int | None, torch.Tensor | None] = {}
+_RECORD = threading.local()  # .traces: a list every run_forward on this thread appends its trace to
+
+
+@contextlib.contextmanager
+def record_traces() -> Iterator[list[ForwardTrace]]:
+    """Within the block, every planned forward on this thread appends its :class:`ForwardTrace` to the yielded
+    list (benchmarks: the FLOP model reads the work actually scheduled)."""
+    out: list[ForwardTrace] = []
+    _RECORD.traces = out
+    try:
+        yield out
+    finally:
+        _RECORD.traces = None
+
+
+def _pairs(positions: torch.Tensor, length: int, window: int | None, plan: Any) -> tuple[int, int]:
+    """(causal, computed) query-key pairs of one layer's attention for ``positions``."""
+    seen = positions + 1 if window is None else torch.clamp(positions + 1, max=window)
+    causal = int(seen.sum())
+    if isinstance(plan, attention.RowBlocks):
+        return causal, sum((b.end - b.start) * (b.k_hi - b.k_lo) for b in plan.blocks)
+    if plan is None:  # SDPA's causal kernel over a cold prefill
+        return causal, causal
+    return causal, int(positions.numel()) * length
+
+
+def _masks(adapter: ModelAdapter, positions: torch.Tensor, length: int, impl: str) -> list[Any]:
+    """Each layer's attention plan for ``positions``, built once per forward (per distinct window): None for a
+    cold prefill under SDPA (its fused causal kernel), else :class:`RowBlocks` (causal query blocks), or with
+    ``attention.BLOCK_ROWS == 0`` the former dense (1, 1, n, T) mask, kept as the reference."""
+    full = positions.numel() == length and (length == 0 or int(positions[-1]) == length - 1)
+    by_window: dict[int | None, Any] = {}
     out = []
-    for layer, window in enumerate(adapter.windows):
+    for window in adapter.windows:
         if window not in by_window:
-            by_window[window] = adapter.mask(positions, length, layer)
+            if full and window is None and impl == "sdpa":
+                by_window[window] = None
+            elif attention.BLOCK_ROWS <= 0:
+                by_window[window] = dense_mask(positions, length, window, impl=impl, dtype=adapter.dtype)
+            else:
+                by_window[window] = attention.row_blocks(positions, length, window, impl=impl, dtype=adapter.dtype)
         out.append(by_window[window])
     return out
+
+
+def dense_mask(q_pos: torch.Tensor, length: int, window: int | None, *, impl: str, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """The dense causal mask (1, 1, n, T) every computed row used to attend with: bool for SDPA, additive for
+    eager. Each row reads all T keys; the reference the block attention is checked against."""
+    k_pos = torch.arange(length, device=q_pos.device)
+    allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
+    if window is not None:
+        allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
+    allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)
+    if impl == "eager":
+        neg = torch.finfo(dtype).min
+        return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, neg)
+    return allowed
 
 
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -75,14 +135,19 @@ def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, schedule: Schedule,
                 length: int) -> tuple[torch.Tensor, ForwardTrace]:
     """Returns the last computed position's hidden state (1, 1, hidden) and a trace of the work done."""
-    trace = ForwardTrace()
+    trace = ForwardTrace(length=length)
+    recording: list[ForwardTrace] | None = getattr(_RECORD, "traces", None)
+    if recording is not None:
+        recording.append(trace)
     check = schedule.check_layer if schedule.candidates.numel() else None
     positions = _union(schedule.base, schedule.candidates) if check is not None else schedule.base
     if positions.numel() == 0:
         raise RuntimeError("forward scheduled with no positions; the last prompt token must always be computed")
     hidden = adapter.embed(ids[positions])  # (1, n, hidden)
     cos_sin = adapter.rotary(hidden, positions)
-    masks = _masks(adapter, positions, length)
+    config = adapter.model.config
+    impl = attention.base_impl(config)
+    masks = _masks(adapter, positions, length, impl)
     cache.length = length
 
     # Check layers in order, each with the positions it scores (the candidates still kept) and how it keeps.
@@ -93,41 +158,47 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
             checks.append(min(schedule.recheck_layer, adapter.num_layers - 1))
     cands = schedule.candidates
 
-    try:
-        for layer in range(adapter.num_layers):
-            cache.positions = positions
-            if checks and layer == checks[0]:
-                checks.pop(0)
-                # K/V of every computed token (scored before they overwrite the cached ones), then the whole
-                # layer for the kept tokens only, which attend to those fresh K/V.
-                score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache, cands,
-                                      schedule, observers=schedule.observers if layer == check else 0)
-                if layer == check:
-                    trace.kv_only_tokens = int(positions.numel())
-                    keep = _select(schedule, score)
-                else:  # a re-check narrows what the first check kept; no adaptive mass, no observers
-                    keep = _top(cands, score, schedule.n_recheck)
-                    trace.kv_only_tokens += int(positions.numel())
-                cands = keep
-                trace.selected = keep
-                new_positions = _union(schedule.base, keep)
-                idx = torch.searchsorted(positions, new_positions)
-                hidden = hidden[:, idx]  # (1, n', hidden): only these run through this layer and the ones above
-                positions = new_positions
-                cos_sin = (cos_sin[0][:, idx], cos_sin[1][:, idx])
-                masks = _masks(adapter, positions, length)
+    with attention.switched(config):
+        try:
+            for layer in range(adapter.num_layers):
                 cache.positions = positions
-            hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
-            trace.tokens_per_layer.append(int(positions.numel()))
-    finally:
-        cache.on_update = None
-        cache.positions = None
-        if adapter.reader is not None:  # later plain HF calls on this thread run the base model
-            adapter.reader.set_rows(positions, None)
+                if checks and layer == checks[0]:
+                    checks.pop(0)
+                    trace.check_layers.append(layer)
+                    # K/V of every computed token (scored before they overwrite the cached ones), then the whole
+                    # layer for the kept tokens only, which attend to those fresh K/V.
+                    score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache, cands,
+                                          schedule, observers=schedule.observers if layer == check else 0)
+                    if layer == check:
+                        trace.kv_only_tokens = int(positions.numel())
+                        keep = _select(schedule, score)
+                    else:  # a re-check narrows what the first check kept; no adaptive mass, no observers
+                        keep = _top(cands, score, schedule.n_recheck)
+                        trace.kv_only_tokens += int(positions.numel())
+                    cands = keep
+                    trace.selected = keep
+                    new_positions = _union(schedule.base, keep)
+                    idx = torch.searchsorted(positions, new_positions)
+                    hidden = hidden[:, idx]  # (1, n', hidden): only these run through this layer and the ones above
+                    positions = new_positions
+                    cos_sin = (cos_sin[0][:, idx], cos_sin[1][:, idx])
+                    masks = _masks(adapter, positions, length, impl)
+                    cache.positions = positions
+                hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
+                trace.tokens_per_layer.append(int(positions.numel()))
+                if recording is not None:
+                    causal, computed = _pairs(positions, length, adapter.windows[layer], masks[layer])
+                    trace.causal_pairs.append(causal)
+                    trace.computed_pairs.append(computed)
+        finally:
+            cache.on_update = None
+            cache.positions = None
+            if adapter.reader is not None:  # later plain HF calls on this thread run the base model
+                adapter.reader.set_rows(positions, None)
     return hidden[:, -1:], trace
 
 
-def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask: torch.Tensor | None,
+def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask: Any,
                   cos_sin: Any, positions: torch.Tensor, cache: ScatterCache, cands: torch.Tensor,
                   schedule: Schedule, observers: int) -> torch.Tensor | None:
     """Compute this layer's K/V for ``positions`` (written into the cache) and score ``cands`` (a subset of

@@ -20,14 +20,13 @@ Torch picks its CPU kernels, and so the summation order of a row's reductions, b
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from kvboost_core import attention
 
 ROW_TILE = 8  # linears run on tiles of exactly this many rows
 
@@ -58,67 +57,10 @@ def row_tiled(modules: list[torch.nn.Linear]) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
-_ROWS = threading.local()  # .lengths: the attended length of each row, set by rowwise_attention's block
-_PREFIX = "kvboost_rows|"  # registered name: this prefix + the model's own implementation ("sdpa", "eager")
-
-
-def _row_lengths() -> Sequence[int] | None:
-    return getattr(_ROWS, "lengths", None)
-
-
-def _slice_rows(t: torch.Tensor | None, i: int, length: int) -> torch.Tensor | None:
-    """Row ``i`` of a (rows, ..., T) mask limited to its first ``length`` keys (None stays None)."""
-    return None if t is None else t[i:i + 1, ..., :length]
-
-
-def _base_attention(impl: str, module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """The function ``module`` runs for ``impl``: "eager" is each model family's own function (not in the
-    registry: softcapping, scaling differ), anything else the registered one."""
-    if impl == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[impl]
-
-
-def _rowwise(impl: str) -> Callable[..., tuple[torch.Tensor, None]]:
-    """Attention ``impl`` run once per row on the row's own keys; run as is on a thread outside a
-    :func:`rowwise_attention` block (another user of the same model)."""
-
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        base = _base_attention(impl, module)
-        lengths = _row_lengths()
-        if lengths is None:
-            return base(module, query, key, value, attention_mask, **kwargs)[0], None
-        if len(lengths) != query.shape[0]:
-            raise RuntimeError(f"row-wise attention was given {len(lengths)} lengths for {query.shape[0]} rows")
-        outs = [base(module, query[i:i + 1], key[i:i + 1, :, :n], value[i:i + 1, :, :n],
-                     _slice_rows(attention_mask, i, n), **kwargs)[0] for i, n in enumerate(lengths)]
-        return torch.cat(outs), None
-
-    return attention
-
-
-def _registered(impl: str) -> str:
-    """The name of attention ``impl``'s row-wise wrapper, registered on first use."""
-    name = _PREFIX + impl
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        if impl != "eager" and impl not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"no attention implementation {impl!r} to run row by row")
-        AttentionInterface.register(name, _rowwise(impl))
-    return name
-
-
 @contextlib.contextmanager
 def rowwise_attention(config: Any, lengths: Sequence[int]) -> Iterator[None]:
     """Within the block, the attention of the model with ``config`` runs row by row, row ``i`` on its first
-    ``lengths[i]`` keys (its mask sliced to match)."""
-    impl = config._attn_implementation
-    if not isinstance(impl, str) or impl.startswith(_PREFIX):
-        raise ValueError(f"config has attn_implementation={impl!r}; row-wise attention wraps a model's own one")
-    config._attn_implementation = _registered(impl)
-    _ROWS.lengths = list(lengths)
-    try:
+    ``lengths[i]`` keys (its mask sliced to match). The wrapper lives in :mod:`kvboost_core.attention` (shared
+    with the planned forward's block attention)."""
+    with attention.switched(config), attention.rows(lengths):
         yield
-    finally:
-        _ROWS.lengths = None
-        config._attn_implementation = impl

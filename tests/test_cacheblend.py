@@ -9,6 +9,7 @@ import torch
 from conftest import CORPUS
 from helpers import docs_prompt, engine_for, full_logits, full_prefill_kv
 
+from kvboost_core import attention
 from kvboost_core.adapters import ModelAdapter
 
 
@@ -43,10 +44,15 @@ def test_recomputed_tokens_ignore_later_tokens(eng, monkeypatch):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
     # The same check catches a leaking (bidirectional) mask: it can fail.
-    def leaky(self, q_pos, length, layer):
-        return torch.ones(1, 1, q_pos.numel(), length, dtype=torch.bool)
+    real_blocks = attention.row_blocks
 
-    monkeypatch.setattr(ModelAdapter, "mask", leaky)
+    def leaky(q_pos, length, window, **kw):
+        plan = real_blocks(q_pos, length, window, **kw)
+        return attention.RowBlocks(plan.rows, tuple(
+            attention.QueryBlock(b.start, b.end, 0, length, torch.zeros(1, 1, b.end - b.start, length))
+            for b in plan.blocks))
+
+    monkeypatch.setattr(attention, "row_blocks", leaky)
     a2, b2 = eng.prefill(a_prompt, **kw), eng.prefill(b_prompt, **kw)
     diffs = [not torch.equal(ka, kb) for (ka, _), (kb, _) in zip(_kv_before(a2, q_start), _kv_before(b2, q_start))]
     assert any(diffs)

@@ -52,10 +52,10 @@ def test_a_row_alone_and_in_a_batch_get_the_same_bits(tokenizer, impl, threads):
 def test_rowwise_attention_restores_the_model_and_refuses_bad_input(tiny_llama):
     cfg = tiny_llama.config
     with pytest.raises(RuntimeError, match="boom"), rowwise_attention(cfg, [3]):
-        assert cfg._attn_implementation.startswith("kvboost_rows|")
+        assert cfg._attn_implementation.startswith("kvboost|")
         raise RuntimeError("boom")
     assert cfg._attn_implementation == "sdpa"
-    cfg._attn_implementation = "kvboost_rows|sdpa"
+    cfg._attn_implementation = "kvboost|sdpa"
     try:
         with pytest.raises(ValueError, match="attn_implementation"), rowwise_attention(cfg, [3]):
             pass

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from kvboost_core.adapters import output_cache
+from kvboost_core.forward import record_traces
+from kvboost_rag.app.bench.flops import Shape, flop_summary, plot_flops, print_flops, speedup, trace_flops
 from kvboost_rag.app.bench.quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -76,6 +78,26 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     tok = AutoTokenizer.from_pretrained(path)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval(), tok
+
+
+def _model_path(name: str) -> str:
+    """A local model directory, or a kvboost zoo short name (``smollm2-135m-instruct``) resolved offline."""
+    from kvboost_core import zoo
+
+    return zoo.resolve(name) if zoo.is_zoo_name(name) else name
+
+
+def _reuse_kwargs(method: str) -> dict[str, Any]:
+    """``cacheblend-0.3`` -> CacheBlend at ratio 0.3; other names are a repair at the engine's settings."""
+    if method.startswith("cacheblend-"):
+        return {"repair": "cacheblend", "recompute_ratio": float(method.removeprefix("cacheblend-"))}
+    return {"repair": method}
+
+
+def _block_rows() -> int:
+    from kvboost_core import attention
+
+    return attention.BLOCK_ROWS
 
 
 def _sync() -> None:
@@ -148,7 +170,8 @@ def word_vocab(tok: Any, limit: int = 4096) -> list[int]:
 
 
 def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
-               seed: int = 0, system_tokens: int = 32) -> dict[str, Any]:
+               seed: int = 0, system_tokens: int = 32, ratios: tuple[float, ...] = (),
+               only: tuple[str, ...] = ()) -> dict[str, Any]:
     from kvboost_core import Segment
     from kvboost_rag.app.bench.peer import load_peer, peer_chunk_size, summarize
 
@@ -178,8 +201,9 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
     cfg = engine.config
     chunk = peer_chunk_size(system_tokens, doc_tokens)
     peer, peer_info = (load_peer(engine.model, engine.tokenizer, lead, chunk, cfg.recompute_ratio,
-                                 cfg.max_cache_bytes) if text_ok
-                       else (None, "the tokenizer has no text-stable word vocabulary for the peer"))
+                                 cfg.max_cache_bytes) if text_ok and (not only or "peer" in only)
+                       else (None, "not selected (--methods)" if text_ok
+                             else "the tokenizer has no text-stable word vocabulary for the peer"))
     peer_name = peer.name if peer is not None else ""  # kept after a failure: its rounds are then skipped
 
     def peer_failed(exc: Exception, where: str) -> None:  # its errors are recorded, never fatal to ours
@@ -194,7 +218,11 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
         except Exception as exc:
             peer_failed(exc, "warm")
     rows: dict[int, dict[str, list[dict[str, Any]]]] = {n: defaultdict(list) for n in sizes}
-    methods = ["full", "prefix_cache", "cold", *REUSE_METHODS, *([peer_name] if peer else []), "exact_repeat"]
+    reuse = [*REUSE_METHODS, *(f"cacheblend-{r:g}" for r in ratios)]
+    methods = ["full", "prefix_cache", "cold", *reuse, *([peer_name] if peer else []), "exact_repeat"]
+    if only:  # a subset (long contexts on a slow machine); full prefill is always the reference ("peer": the peer)
+        methods = ["full", *(m for m in methods if (m in only or (m == peer_name and "peer" in only)) and m != "full")]
+    shape = Shape.of(engine.model.config)
     for r in range(rounds):
         for n in sizes:
             docs = rng.sample(corpus, n)
@@ -226,12 +254,16 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
                         except Exception as exc:
                             peer_failed(exc, f"generate ({n} documents, round {r + 1})")
                 else:
-                    res = engine.generate(segs, max_new_tokens=1, repair=m, store_prefix=False)
-                    pre = engine.prefill(segs, repair=m, store_prefix=False)
+                    kw = _reuse_kwargs(m)
+                    res = engine.generate(segs, max_new_tokens=1, store_prefix=False, **kw)
+                    with record_traces() as traces:  # the same schedule again, off the clock: its FLOPs
+                        pre = engine.prefill(segs, store_prefix=False, **kw)
+                    fl = trace_flops(shape, traces)
                     rows[n][m].append({"ttft_s": res.ttft_s, "reuse": res.reuse_ratio,
-                                       "logits": pre.last_logits})
+                                       "logits": pre.last_logits, "flops_ideal": fl.ideal,
+                                       "flops_implemented": fl.implemented})
             assert ref is not None
-            for m in (*REUSE_METHODS, *([peer_name] if peer_name else [])):
+            for m in (*reuse, *([peer_name] if peer_name else [])):
                 last = rows[n][m][-1] if rows[n][m] else {}
                 if "logits" in last:
                     got = last.pop("logits")
@@ -257,6 +289,8 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
                 summary[m]["top1_agree"] = statistics.fmean(x["top1"] for x in xs)
             if m == peer_name:
                 summary[m].update(summarize(xs))
+            if "flops_ideal" in xs[0] or m == "full":
+                summary[m].update(flop_summary(shape, ctx, xs, med / full_med))
         entry: dict[str, Any] = {"documents": n, "context_tokens": ctx, "methods": summary}
         if peer_name in summary:
             ratio = summary[peer_name]["ttft_median_s"] / summary["cacheblend"]["ttft_median_s"]
@@ -342,8 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         from kvboost_rag.app.bench import rag as bench_rag
 
         return bench_rag.main(argv[1:])
+    if argv and argv[0] == "multiturn":  # the multi-turn RAG chat benchmark
+        from kvboost_rag.app.bench import multiturn
+
+        return multiturn.main(argv[1:])
     ap = argparse.ArgumentParser(prog="kvboost-rag bench", description=__doc__.split("\n\n")[0],
-                                 epilog="kvboost-rag bench rag --help: the real-model RAG answers benchmark")
+                                 epilog="kvboost-rag bench rag --help: the real-model RAG answers benchmark; "
+                                        "kvboost-rag bench multiturn --help: the multi-turn chat benchmark")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="a local HF model directory")
     src.add_argument("--shape", default="qwen2.5-0.5b", help=f"random-weight shape: {', '.join(SHAPES)}")
@@ -362,16 +401,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stories-prompts", type=int, default=20)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the engine and every baseline)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    ap.add_argument("--ratios", default="", help="extra CacheBlend recompute ratios, e.g. 0.15,0.3,0.5,0.7")
+    ap.add_argument("--methods", default="", help="run only these methods (comma-separated; full always runs)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--block-rows", type=int, default=None,
+                    help="query rows per attention block (0: the former dense mask, for comparison)")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.block_rows is not None:
+        from kvboost_core import attention
+
+        attention.BLOCK_ROWS = args.block_rows
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA build of torch and a visible GPU; use --device cpu")
 
     from kvboost_core.engine import KVEngine
 
     dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
-    model, tok = (load_model(args.model, args.device, dtype) if args.model
+    model, tok = (load_model(_model_path(args.model), args.device, dtype) if args.model
                   else build_model(args.shape, args.layers, device=args.device, dtype=dtype))
     engine = KVEngine(model, tok, max_cache_bytes="16GiB")
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -384,11 +434,14 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
                     "torch": torch.__version__, "device": str(model.device), "dtype": str(dtype).removeprefix("torch."),
                     "gpu": torch.cuda.get_device_name() if model.device.type == "cuda" else None},
+        "attention_block_rows": _block_rows(),
         "engine": {"chunk_size": engine.config.chunk_size, "recompute_ratio": engine.config.recompute_ratio,
                    "select": engine.config.select, "overlap_k": engine.config.overlap_k,
                    "sink_tokens": engine.config.sink_tokens},
         "workload_a": workload_a(engine, sizes, args.rounds, args.doc_tokens, args.question_tokens,
-                                 system_tokens=args.system_tokens),
+                                 system_tokens=args.system_tokens,
+                                 ratios=tuple(float(r) for r in args.ratios.split(",") if r),
+                                 only=tuple(m for m in args.methods.split(",") if m)),
     }
     if args.chat_turns:
         result["workload_b"] = workload_b(engine, args.chat_turns)
@@ -402,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{n} docs, {v['context_tokens']} tokens")
         for m, s in v["methods"].items():
             extra = f"  KL {s['mean_kl']:.4f} top-1 {s['top1_agree']:.0%}" if "mean_kl" in s else ""
-            print(f"  {m:<13} TTFT {s['ttft_median_s'] * 1000:9.1f} ms  x{s['speedup_vs_full']:6.2f} vs full"
+            print(f"  {m:<15} TTFT {s['ttft_median_s'] * 1000:9.1f} ms  {speedup(s['speedup_vs_full'])}"
                   f"  reuse {s['reuse_ratio']:.0%}{extra}")
+        print_flops(v["methods"])
         if "ours_cacheblend_vs_peer_cacheblend" in v:
             print(f"  peer TTFT / our cacheblend TTFT: {v['ours_cacheblend_vs_peer_cacheblend']:.2f}")
     peer = result["workload_a"]["peer"]
@@ -420,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     if args.plot_path:
         plot(result, args.plot_path)
+        plot_flops(result, str(Path(args.plot_path).with_name(Path(args.plot_path).stem + "_flops.png")))
     return 0
 
 

@@ -1,0 +1,284 @@
+"""Multi-turn RAG chat benchmark: TTFT per turn for HF full prefill, exact prefix reuse alone, and kvboost.
+
+Each conversation (tune split only; eval is held out) opens with retrieved documents and a question; later turns
+ask follow-ups about the same documents, some turns retrieve new ones, and every answer in the history is the
+model's own (plain HF's greedy answer, so all three methods see the same prompt at every turn). Per turn:
+
+- ``hf``: ``model(ids, logits_to_keep=1)`` from scratch, then greedy decoding (the reference answer);
+- ``apc``: exact prefix reuse as vLLM's automatic prefix caching does it: the longest identical token prefix of
+  any earlier sequence (prompt and generated tokens) is served from HF's own cache, the rest is prefilled
+  (at token granularity: an upper bound of vLLM's 16-token blocks). Its copy of the cache is off the clock;
+- ``kvboost``: ``KVBoostRAG.generate`` at the engine's defaults (the model's shipped settings), its store
+  filled only by warming the corpus and by earlier turns.
+
+Reported per turn: TTFT and prompt-token hit rate of each, kvboost's exact and approximate shares, and whether
+kvboost's answer equals HF's (required on every turn whose reuse was exact only). Speedups
+print as full / reuse.
+
+Run ``python benchmarks/bench_multiturn.py --json benchmarks/results/multiturn.json --plot ...png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvboost_core.adapters import output_cache
+from kvboost_rag.app.bench.flops import speedup
+from kvboost_rag.app.bench.rag import DEFAULT_MODEL, SYSTEM, hf_greedy
+
+RETRIEVE_TURNS = (1, 4, 7)  # turns that retrieve new documents; the others follow up on what is in the history
+
+
+@dataclass(slots=True)
+class Turn:
+    conversation: int
+    turn: int
+    retrieved: bool
+    prompt_tokens: int
+    hf_ttft_s: float
+    apc_ttft_s: float
+    kvboost_ttft_s: float
+    apc_hit: float  # share of the prompt served from an earlier sequence's exact prefix
+    kvboost_hit: float  # exact + approximate
+    kvboost_exact: float
+    kvboost_approx: float
+    exact_only: bool  # kvboost reused exact KV only (no approximate tokens): its answer must equal HF's
+    same_answer: bool  # kvboost's greedy answer text == HF's (its generated tokens decoded the same way)
+    apc_top1: bool  # APC's first token == HF's
+
+
+def plan_conversation(corpus: Any, k: int, turns: int, seed: int) -> list[tuple[list[Any], Any]]:
+    """Per turn: (documents retrieved at this turn, possibly none; the question). Retrieval turns take ``k``
+    documents not shown before, the question's gold document among them; follow-ups ask about a document
+    already in the conversation."""
+    rng = random.Random(seed)
+    by_doc: dict[str, list[Any]] = {}
+    for q in corpus.questions:
+        by_doc.setdefault(q.doc_id, []).append(q)
+    shown: list[Any] = []
+    asked: set[str] = set()
+    plan = []
+    for t in range(1, turns + 1):
+        if t in RETRIEVE_TURNS or not shown:
+            fresh = [d for d in corpus.documents if d not in shown and by_doc.get(d.id)]
+            gold = rng.choice(fresh)
+            rest = [d for d in corpus.documents if d not in shown and d is not gold]
+            docs = [gold, *rng.sample(rest, min(k - 1, len(rest)))]
+            rng.shuffle(docs)
+            shown += docs
+            q = rng.choice([q for q in by_doc[gold.id] if q.id not in asked] or by_doc[gold.id])
+            plan.append((docs, q))
+        else:
+            pool = [q for d in shown for q in by_doc.get(d.id, []) if q.id not in asked]
+            q = rng.choice(pool or [q for d in shown for q in by_doc.get(d.id, [])])
+            plan.append(([], q))
+        asked.add(plan[-1][1].id)
+    return plan
+
+
+def user_turn(docs: list[str], question: str) -> str:
+    if not docs:
+        return f"Question: {question}"
+    return "Documents:\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}"
+
+
+class PrefixReuse:
+    """Exact prefix reuse alone (vLLM APC): HF caches of earlier full sequences, longest common prefix wins."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.entries: list[tuple[list[int], Any]] = []
+
+    def hit(self, ids: list[int]) -> tuple[int, Any]:
+        best_n, best = 0, None
+        for seq, cache in self.entries:
+            n = 0
+            for a, b in zip(seq, ids):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best_n, best = n, cache
+        return min(best_n, len(ids) - 1), best  # the last prompt token is always computed
+
+    @torch.inference_mode()
+    def first_token(self, ids: list[int]) -> tuple[float, int, int]:
+        """(TTFT, tokens reused, first token)."""
+        n, best = self.hit(ids)
+        cache = None
+        if best is not None and n > 0:
+            cache = copy.deepcopy(best)  # vLLM shares blocks without a copy: keep it off the clock
+            cache.crop(n - cache.get_seq_length())
+        t0 = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        tok = int(out.logits[0, -1].argmax())
+        return time.perf_counter() - t0, n, tok
+
+    def add(self, seq: list[int], cache: Any) -> None:
+        self.entries.append((seq, cache))
+
+
+@torch.inference_mode()
+def _hf_answer(model: Any, tokenizer: Any, ids: list[int], max_new: int, eos: set[int]) -> tuple[Any, Any]:
+    """HF's greedy reference, and its cache over the prompt and every generated token but the last."""
+    ref = hf_greedy(model, tokenizer, ids, max_new, eos)
+    seq = list(ids) + ref.tokens[:-1]
+    cache = output_cache(model(input_ids=torch.tensor([seq], device=model.device), use_cache=True,
+                               logits_to_keep=1))  # off the clock: APC's stored blocks
+    return ref, (seq, cache)
+
+
+def run(rag: Any, conversations: int, turns: int, k: int, max_new_tokens: int, seed: int = 0,
+        log: Any = print, partial: Any = None) -> dict[str, Any]:
+    """The benchmark; ``partial(result)``, when given, is called after every turn with the result so far."""
+    from kvboost_rag.app import rag_corpus as rc
+
+    corpus = rc.load_corpus("tune")  # tuning split only
+    t0 = time.perf_counter()
+    rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
+    warm_s = time.perf_counter() - t0
+    engine = rag.engine
+    model, tok = engine.model, engine.tokenizer
+    eos = set(engine._eos)
+    rows: list[Turn] = []
+    for c in range(conversations):
+        apc = PrefixReuse(model)
+        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        for t, (docs, q) in enumerate(plan_conversation(corpus, k, turns, seed + c), start=1):
+            messages.append({"role": "user", "content": user_turn([rc.doc_text(d) for d in docs], q.question)})
+            prompt = rag.chat_prompt(messages)
+            special = rag.chat_add_special_tokens(prompt)
+            ids = rag.encode(prompt, special)
+            apc_s, apc_n, apc_tok = apc.first_token(ids)
+            ref, entry = _hf_answer(model, tok, ids, max_new_tokens, eos)
+            res = rag.generate(prompt, max_new_tokens=max_new_tokens, add_special_tokens=special)
+            if res.prompt_token_ids != ids:
+                raise RuntimeError("prompt drift: kvboost tokenized the prompt differently from HF")
+            apc.add(*entry)
+            st, n = res.stats, len(ids)
+            approx = st["reused_approx"] + st.get("reused_repaired", 0)
+            rows.append(Turn(c, t, bool(docs), n, ref.ttft_s, apc_s, st["ttft_s"], apc_n / n,
+                             (st["reused_exact"] + approx) / n, st["reused_exact"] / n, approx / n, approx == 0,
+                             res.text.strip() == ref.text.strip(), apc_tok == ref.tokens[0]))
+            r = rows[-1]
+            if log:
+                log(f"conv {c + 1} turn {t:>2} {n:>5} tok  hf {r.hf_ttft_s:6.2f}s  apc {r.apc_ttft_s:6.2f}s "
+                    f"(hit {r.apc_hit:4.0%})  kvboost {r.kvboost_ttft_s:6.2f}s (hit {r.kvboost_hit:4.0%}, exact "
+                    f"{r.kvboost_exact:4.0%})  {'same' if r.same_answer else 'DIFF'} answer")
+            messages.append({"role": "assistant", "content": ref.text})
+            if partial is not None:
+                partial(_result(engine, conversations, turns, k, max_new_tokens, warm_s, rows))
+    return _result(engine, conversations, turns, k, max_new_tokens, warm_s, rows)
+
+
+def _result(engine: Any, conversations: int, turns: int, k: int, max_new_tokens: int, warm_s: float,
+            rows: list[Turn]) -> dict[str, Any]:
+    return {"split": "tune", "conversations": conversations, "turns": turns, "k": k,
+            "max_new_tokens": max_new_tokens, "retrieve_turns": list(RETRIEVE_TURNS), "warm_s": warm_s,
+            "engine": {"repair": engine.config.repair, "recompute_ratio": engine.config.recompute_ratio,
+                       "check_layer": engine.config.check_layer, "store_prefix": engine.config.store_prefix},
+            "per_turn": summarize(rows), "rows": [asdict(r) for r in rows]}
+
+
+def summarize(rows: list[Turn]) -> list[dict[str, Any]]:
+    """Per turn number, medians over conversations; speedups are full / reuse of those medians."""
+    out = []
+    for t in sorted({r.turn for r in rows}):
+        rs = [r for r in rows if r.turn == t]
+
+        def med(attr: str, rs: list[Turn] = rs) -> float:
+            return float(statistics.median(getattr(r, attr) for r in rs))
+
+        hf, apc, kv = med("hf_ttft_s"), med("apc_ttft_s"), med("kvboost_ttft_s")
+        exact_rows = [r for r in rs if r.exact_only]
+        out.append({"turn": t, "prompt_tokens": med("prompt_tokens"), "hf_ttft_s": hf, "apc_ttft_s": apc,
+                    "kvboost_ttft_s": kv, "apc_speedup": hf / apc, "kvboost_speedup": hf / kv,
+                    "apc_hit": med("apc_hit"), "kvboost_hit": med("kvboost_hit"),
+                    "kvboost_exact": med("kvboost_exact"), "hit_at_least_apc": all(r.kvboost_hit >= r.apc_hit
+                                                                                   for r in rs),
+                    "exact_only_turns": len(exact_rows),
+                    "exact_only_same_answer": sum(r.same_answer for r in exact_rows),
+                    "same_answer": sum(r.same_answer for r in rs), "conversations": len(rs)})
+    return out
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pt = result["per_turn"]
+    turns = [p["turn"] for p in pt]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label in (("hf_ttft_s", "HF full prefill"), ("apc_ttft_s", "exact prefix reuse (APC)"),
+                       ("kvboost_ttft_s", "kvboost (defaults)")):
+        ax.plot(turns, [p[key] for p in pt], marker="o", label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT, median over conversations (s)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    for key, label in (("apc_hit", "APC"), ("kvboost_hit", "kvboost"), ("kvboost_exact", "kvboost, exact")):
+        bx.plot(turns, [p[key] for p in pt], marker="o", label=label)
+    bx.set_xlabel("turn")
+    bx.set_ylabel("prompt-token hit rate")
+    bx.set_ylim(0, 1.02)
+    bx.grid(True, alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.suptitle(f"Multi-turn RAG chat — {result['model']}, {result['threads']} thread(s)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvboost-rag bench multiturn", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name, a local HF folder or a hub id")
+    ap.add_argument("--conversations", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--k", type=int, default=10, help=f"documents per retrieval (turns {RETRIEVE_TURNS})")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--plot", dest="plot_path")
+    args = ap.parse_args(argv)
+    if args.turns < 1 or args.conversations < 1 or args.k < 1:
+        ap.error("--turns, --conversations and --k must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kvboost_rag import KVBoostRAG
+
+    rag = KVBoostRAG.from_model_id(args.model, device="cpu")
+    def save(result: dict[str, Any]) -> None:
+        result.update(model=args.model, threads=torch.get_num_threads())
+        if args.json_path:
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_path).write_text(json.dumps(result, indent=1))
+
+    result = run(rag, args.conversations, args.turns, args.k, args.max_new_tokens, args.seed, partial=save)
+    save(result)
+    print("\nturn  tokens   HF s  APC s  kvboost s   APC        kvboost      hit APC/kvboost  exact-only same")
+    for p in result["per_turn"]:
+        print(f"{p['turn']:>4} {p['prompt_tokens']:>7.0f} {p['hf_ttft_s']:6.2f} {p['apc_ttft_s']:6.2f}"
+              f" {p['kvboost_ttft_s']:9.2f}  {speedup(p['apc_speedup']):>14} {speedup(p['kvboost_speedup']):>14}"
+              f"  {p['apc_hit']:5.0%}/{p['kvboost_hit']:5.0%}  {p['exact_only_same_answer']}/{p['exact_only_turns']}")
+    if args.plot_path:
+        plot(result, args.plot_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
