@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ def _renderer():
     spec = importlib.util.spec_from_file_location("render_figures", ROOT / "scripts" / "render_figures.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules["render_figures"] = module  # dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
