@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=REAL_MODEL,
                    help=f"a short name, HF model directory or hub id of a chat model (default {REAL_MODEL}); "
                         f"'{DEMO}' runs the older demo on the embedded 2M-parameter model")
-    d.add_argument("--questions", type=positive_int, default=6, help="held-out questions to ask (default 6)")
+    d.add_argument("--questions", type=positive_int, default=3,
+                   help="held-out questions to ask before the follow-up turns (default 3)")
     d.add_argument("--top-k", type=positive_int, default=None,
                    help="documents retrieved per question (default 12 for chat models, 4 for the demo model)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None,

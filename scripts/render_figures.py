@@ -1,0 +1,549 @@
+"""Render every figure table in README.md and docs/ from benchmarks/results/*.json (figures are never typed).
+
+    python scripts/render_figures.py           # rewrite the marked blocks, copy the plots into docs/figures/
+    python scripts/render_figures.py --check   # exit 1 (and name the blocks) when a committed block is stale
+
+A page marks a generated block with two HTML comments; everything between them is replaced:
+
+    <!-- figures:rag_eval -->
+    ...
+    <!-- /figures -->
+
+Each block name is one :class:`Table` in ``TABLES``: the results files it reads and a function from their
+parsed JSON to Markdown. To add a figure, add a results file, one ``Table`` (a few lines) and the marker on a
+page. A table whose results file is absent renders as an empty block, so a checkout without it still checks
+clean; a marker naming no table is an error. Uncertainty: accuracy and same-answer rates carry 95% bootstrap
+intervals over questions, differences against full prefill and speedups paired bootstrap intervals (the same
+resampled questions on both sides), from a fixed seed, so a rerun renders the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import shutil
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path("benchmarks/results")
+PAGES = ("README.md", "docs")  # README.md and every docs/**/*.md
+PLOTS_DIR = Path("docs/figures")  # mkdocs serves only docs/: the plots are copied here
+BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
+BOOT = 2000  # bootstrap resamples (numpy, vectorised: the whole render takes about a second)
+SEED = 0
+SMOLLM2 = "SmolLM2-135M-Instruct"
+CPU = "2-core x86 CPU, fp32, 1 thread, other jobs running"
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # readme_table.py: the TTFT and demo-model tables
+sys.path.insert(0, str(ROOT))
+
+
+def _fmt_speedup(ratio: float) -> str:
+    from kvboost_rag.app.fmt import ratio_speedup
+
+    return ratio_speedup(ratio)
+
+
+# ------------------------------------------------------------------------------------------- statistics
+@functools.lru_cache(maxsize=8)
+def _draws(n: int, seed: int = SEED) -> Any:
+    """(BOOT, n) resampled indices. numpy's legacy RandomState: its stream is fixed across numpy versions."""
+    import numpy as np
+
+    return np.random.RandomState(seed).randint(0, n, size=(BOOT, n))
+
+
+def _interval(values: Any) -> tuple[float, float]:
+    import numpy as np
+
+    v = np.sort(np.asarray(values, dtype=float))
+    return float(v[int(0.025 * (len(v) - 1))]), float(v[int(0.975 * (len(v) - 1))])
+
+
+def rate_ci(flags: Sequence[bool]) -> tuple[float, float, float]:
+    """(rate, low, high): a share with its 95% bootstrap interval over the items."""
+    import numpy as np
+
+    x = np.asarray(flags, dtype=float)
+    lo, hi = _interval(x[_draws(len(x))].mean(axis=1))
+    return float(x.mean()), lo, hi
+
+
+def paired_diff_ci(a: Sequence[bool], b: Sequence[bool]) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high) with the same questions resampled on both sides."""
+    import numpy as np
+
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    lo, hi = _interval(d[_draws(len(d))].mean(axis=1))
+    return float(d.mean()), lo, hi
+
+
+def paired_speedup_ci(full: Sequence[float], reuse: Sequence[float]) -> tuple[float, float, float]:
+    """(median(full) / median(reuse), low, high), questions resampled in pairs."""
+    import numpy as np
+
+    f, r = np.asarray(full, dtype=float), np.asarray(reuse, dtype=float)
+    idx = _draws(len(f))
+    lo, hi = _interval(np.median(f[idx], axis=1) / np.median(r[idx], axis=1))
+    return float(np.median(f) / np.median(r)), lo, hi
+
+
+def pct_ci(t: tuple[float, float, float]) -> str:
+    return f"{t[0]:.0%} [{t[1]:.0%}, {t[2]:.0%}]"
+
+
+def pts_ci(t: tuple[float, float, float]) -> str:
+    return f"{t[0] * 100:+.0f} pts [{t[1] * 100:+.0f}, {t[2] * 100:+.0f}]"
+
+
+def x_ci(t: tuple[float, float, float]) -> str:
+    """A speedup with its interval in the same direction as its words ("1.02x slower [1.00, 1.04]")."""
+    text = _fmt_speedup(t[0])
+    lo, hi = (t[1], t[2]) if text.endswith("faster") else (1 / t[2], 1 / t[1])
+    return f"{text} [{lo:.2f}, {hi:.2f}]"
+
+
+def md(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- RAG tables
+LABELS = {
+    "full": "plain HF full prefill",
+    "engine-full": "engine `repair=\"full\"`",
+    "none": "`none` (re-rotated, no repair)",
+    "cacheblend-0.15": "CacheBlend r=0.15 (engine-wide default)",
+    "cacheblend-0.3": "CacheBlend r=0.3",
+    "cacheblend-0.5": "CacheBlend r=0.5",
+    "cacheblend-0.7": "**CacheBlend r=0.7 (SmolLM2's default when measured)**",
+    "default": "the model's default",
+    "c3r30": "check layer 3, r=0.3",
+    "c3r50": "check layer 3, r=0.5",
+    "q30": "query-aware (`query_tokens=8`), r=0.3",
+    "m50": "adaptive `recompute_mass=0.5` (floor 0.1)",
+    "m80": "adaptive `recompute_mass=0.8` (floor 0.15)",
+    "p70-30@8": "second check layer: 70%, then 30% from layer 8",
+    "p50-15@8": "second check layer: 50%, then 15% from layer 8",
+    "c3p70-30@10": "check layer 3: 70%, then 30% from layer 10",
+}
+
+
+def _rows_by_question(result: dict[str, Any], setting: str) -> dict[str, dict[str, Any]]:
+    return {r["question"]: r for r in result["rows"][setting]}
+
+
+def _paired(result: dict[str, Any], setting: str, ref: str = "full") -> tuple[list[dict], list[dict]]:
+    """The rows of ``setting`` and ``ref`` for the questions both answered, in the reference's order."""
+    a, b = _rows_by_question(result, setting), _rows_by_question(result, ref)
+    qs = [q for q in b if q in a]
+    return [a[q] for q in qs], [b[q] for q in qs]
+
+
+def rag_eval_table(result: dict[str, Any]) -> str:
+    """Every setting of a ``kvboost-rag bench rag`` run, with bootstrap intervals where rows exist."""
+    head = ["setting", "accuracy [95% CI]", "vs full prefill (paired)", "same answer [95% CI]", "first-token KL",
+            "recomputed", "TTFT [95% CI]"]
+    rows = []
+    for name, s in result["summary"].items():
+        mine, full = _paired(result, name)
+        acc = rate_ci([r["correct"] for r in mine])
+        same = rate_ci([r["same_answer"] for r in mine])
+        if name == "full":
+            rows.append([LABELS.get(name, name), pct_ci(acc), "", "100%", "0", "100%", "1.00x (reference)"])
+            continue
+        diff = paired_diff_ci([r["correct"] for r in mine], [r["correct"] for r in full])
+        speed = paired_speedup_ci([r["ttft_s"] for r in full], [r["ttft_s"] for r in mine])
+        rows.append([LABELS.get(name, f"`{name}`"), pct_ci(acc), pts_ci(diff), pct_ci(same), f"{s['kl_mean']:.4f}",
+                     f"{s['recompute']:.0%}", x_ci(speed)])
+    return (f"{SMOLLM2}, {result['questions']} held-out questions ({result['split']} split), k={result['k']} "
+            f"retrieved documents (median {result['prompt_tokens_median']:,.0f} prompt tokens), "
+            f"{result['max_new_tokens']} new tokens, greedy; {CPU}.\n\n" + md(head, rows))
+
+
+def rag_summary_table(*results: dict[str, Any]) -> str:
+    """Summary rows of one or more bench-rag runs (the tune-split experiments), each run's own full prefill."""
+    head = ["setting", "questions", "accuracy (full prefill)", "same answer", "first-token KL", "recomputed",
+            "TTFT", "run"]
+    rows = []
+    for i, result in enumerate(results, 1):
+        full = result["summary"]["full"]
+        for name, s in result["summary"].items():
+            if name == "full":
+                continue
+            rows.append([LABELS.get(name, f"`{name}`"), str(s["questions"]),
+                         f"{s['accuracy']:.0%} ({full['accuracy']:.0%})", f"{s['same_answer']:.0%}",
+                         f"{s['kl_mean']:.4f}", f"{s['recompute']:.0%}", _fmt_speedup(s["speedup"]), str(i)])
+    runs = "; ".join(f"run {i}: k={r['k']}, median {r['prompt_tokens_median']:,.0f} tokens"
+                     for i, r in enumerate(results, 1))
+    return f"{SMOLLM2}, tune split ({runs}); {CPU}.\n\n" + md(head, rows)
+
+
+def rag_long_table(result: dict[str, Any]) -> str:
+    head = ["setting", "TTFT", "speedup"]
+    rows = [[LABELS.get("full"), f"{result['ttft_s']['full']:.1f} s", "1.00x (reference)"]]
+    rows += [[LABELS.get(n, f"`{n}`") if n != "default" else "SmolLM2's default when measured (CacheBlend r=0.7)",
+              f"{result['ttft_s'][n]:.1f} s", _fmt_speedup(x)] for n, x in result["speedup"].items()]
+    return (f"{SMOLLM2}, {result['prompts']} held-out chats of k={result['k']} documents (median "
+            f"{result['prompt_tokens_median']:,} prompt tokens), median of {result['rounds']} rounds each, 2 threads; "
+            f"too few prompts for an interval.\n\n" + md(head, rows))
+
+
+def headline_table(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, Any]) -> str:
+    """The README's table: what reuse costs in answers and buys in time, on the real model."""
+    head = ["setting", "accuracy [95% CI]", "vs full prefill", "same answer as full", "TTFT at 1.7K tokens",
+            "TTFT at 4K tokens"]
+    pick = {"full": "full", "cacheblend-0.7": "default", "cacheblend-0.15": "cacheblend-0.15", "none": "none"}
+    rows = []
+    for name, long_name in pick.items():
+        if name not in result["summary"]:
+            continue
+        mine, full = _paired(result, name)
+        acc = rate_ci([r["correct"] for r in mine])
+        if name == "full":
+            rows.append(["plain HF full prefill", pct_ci(acc), "", "100%", "1.00x (reference)", "1.00x (reference)"])
+            continue
+        diff = paired_diff_ci([r["correct"] for r in mine], [r["correct"] for r in full])
+        same = rate_ci([r["same_answer"] for r in mine])
+        speed = paired_speedup_ci([r["ttft_s"] for r in full], [r["ttft_s"] for r in mine])
+        at4k = long["speedup"].get(long_name)
+        rows.append([LABELS[name], pct_ci(acc), pts_ci(diff), pct_ci(same), x_ci(speed),
+                     _fmt_speedup(at4k) if at4k else "not measured"])
+    turns = ttft["workload_b"]["turns"]
+    last = turns[-1]
+    exact = (f"Exact reuse (no approximation, answers unchanged): a follow-up chat turn reusing the earlier "
+             f"conversation as a prefix, turn {len(turns)} of {last['prompt_tokens']:,} tokens, "
+             f"{_fmt_speedup(last['full_ttft_s'] / last['ours_ttft_s'])} than recomputing it "
+             f"({last['ours_ttft_s']:.2f} s vs {last['full_ttft_s']:.2f} s; {ttft['model']}, 2 threads).")
+    return (f"{SMOLLM2} answering {result['questions']} held-out RAG questions (k={result['k']}, median "
+            f"{result['prompt_tokens_median']:,.0f} prompt tokens) on a {CPU}. TTFT ratios are full prefill / reuse, "
+            f"side by side in one process; at 4K tokens {long['prompts']} chats x {long['rounds']} rounds, 2 threads. "
+            "[95% CI] = bootstrap over questions (paired for differences and speedups).\n\n"
+            + md(head, rows) + "\n\n" + exact)
+
+
+def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, Any]) -> str:
+    """The README's "when to use it" bullets, their numbers taken from the same files as the headline table."""
+    def row(name: str) -> tuple[Any, ...]:
+        mine, full = _paired(result, name)
+        return (paired_diff_ci([r["correct"] for r in mine], [r["correct"] for r in full]),
+                sum(r["same_answer"] for r in mine) / len(mine),
+                paired_speedup_ci([r["ttft_s"] for r in full], [r["ttft_s"] for r in mine]))
+
+    last = ttft["workload_b"]["turns"][-1]
+    sizes = ttft["workload_a"]["sizes"]
+    big = sizes[max(sizes, key=int)]
+    cb = big["methods"]["cacheblend"]
+    lines = [
+        f"- **Use it for exact reuse**: multi-turn chat, a long shared system prompt, a document at the position "
+        f"it was warmed at. Answers are those of a full prefill; turn {len(ttft['workload_b']['turns'])} of a chat "
+        f"({last['prompt_tokens']:,} tokens) starts {_fmt_speedup(last['full_ttft_s'] / last['ours_ttft_s'])} "
+        f"than recomputing it ({ttft['model']} on CPU; prefix caching in other servers does this too).",
+    ]
+    if "cacheblend-0.15" in result["summary"]:
+        diff, same, speed = row("cacheblend-0.15")
+        lines.append(
+            f"- **Use re-placed documents when changed answers are acceptable, or measure your model first.** On "
+            f"long retrieved contexts CacheBlend at r=0.15 starts {_fmt_speedup(cb['speedup_vs_full'])} at "
+            f"{big['context_tokens']:,} tokens ({ttft['model']}), and on {SMOLLM2} {_fmt_speedup(speed[0])} at "
+            f"1.7K tokens, but there it costs {abs(diff[0]) * 100:.0f} points of accuracy "
+            f"({pts_ci(diff)}) and keeps only {same:.0%} of first sentences.")
+    if "cacheblend-0.7" in result["summary"]:
+        diff, same, speed = row("cacheblend-0.7")
+        at4k = long["speedup"].get("default")
+        lines.append(
+            f"- **Do not expect speed and unchanged answers together on a small model.** SmolLM2's default "
+            f"(r=0.7 when measured) keeps accuracy ({pts_ci(diff)}) but only {same:.0%} of first sentences, at "
+            f"{_fmt_speedup(speed[0])} (1.7K tokens)" + (f" and {_fmt_speedup(at4k)} (4K tokens)." if at4k else "."))
+    lines.append("- **Not measured**: trained models larger than 135M parameters, and any GPU.")
+    return "\n".join(lines)
+
+
+def reader_table(with_reader: dict[str, Any], without: dict[str, Any]) -> str:
+    """A reader adapter's held-out rows against the same questions without it."""
+    head = ["setting", "accuracy without -> with", "same answer without -> with", "first-token KL without -> with"]
+    rows = []
+    for name in with_reader["summary"]:
+        if name == "full":
+            continue
+        base = "cacheblend-0.7" if name == "default" else name
+        if base not in without["rows"]:
+            continue
+        w = _rows_by_question(with_reader, name)
+        b = {q: r for q, r in _rows_by_question(without, base).items() if q in w}
+        ws = [w[q] for q in b]
+        bs = list(b.values())
+
+        def rate(rs: list[dict], key: str) -> str:
+            return f"{sum(r[key] for r in rs) / len(rs):.1%}"
+
+        def kl(rs: list[dict]) -> str:
+            return f"{statistics.fmean(r['kl'] for r in rs):.3f}"
+
+        rows.append([LABELS.get(base, base), f"{rate(bs, 'correct')} -> {rate(ws, 'correct')}",
+                     f"{rate(bs, 'same_answer')} -> {rate(ws, 'same_answer')}", f"{kl(bs)} -> {kl(ws)}"])
+    full = with_reader["summary"]["full"]
+    return (f"{SMOLLM2}, the first {with_reader['questions']} held-out questions, k={with_reader['k']}; full prefill "
+            f"{full['accuracy']:.1%} accurate. With {with_reader['questions']} questions a rate moves about +-7 "
+            "points by chance.\n\n" + md(head, rows))
+
+
+# ------------------------------------------------------------------------------------------- other tables
+def serve_table(result: dict[str, Any], nodet: dict[str, Any] | None = None) -> str:
+    head = ["concurrency", "output tok/s", "decode tok/s", "TTFT p50 / p99", "end-to-end p50 / p99", "errors"]
+    rows = [[str(lv["concurrency"]), f"{lv['output_tok_s']:.1f}", f"{lv['decode_tok_s']:.1f}",
+             f"{lv['ttft_p50']:.2f} / {lv['ttft_p99']:.1f} s", f"{lv['e2e_p50']:.1f} / {lv['e2e_p99']:.1f} s",
+             str(lv["errors"])] for lv in result["batched"]["levels"]]
+    s, hf = result["summary"], result["hf_sequential"]
+    text = (f"{SMOLLM2}, RAG chats of about {result['batched']['levels'][0]['prompt_tokens_mean']:,.0f} tokens, "
+            f"{result['max_tokens']} output tokens, the `openai` async client against the running server, "
+            f"{'deterministic' if result['deterministic'] else 'non-deterministic'} decode, {result['cpus']} CPUs.\n\n"
+            + md(head, rows)
+            + f"\n\nPlain HF greedy run sequentially: {hf['output_tok_s']:.1f} output tok/s, TTFT p50 "
+              f"{hf['ttft_p50']:.1f} s. Decode throughput at the highest concurrency is "
+              f"{s['decode_speedup_top_vs_single']:.2f}x a single stream's; TTFT p50 at concurrency 4 is "
+              f"{s['ttft_p50_c4_over_c1']:.2f}x the single request's; {s['outputs_identical_to_sequential']} outputs "
+              f"equal to sequential greedy; {s['errors']} errors in {s['requests']} requests.")
+    if nodet:
+        lv = {x["concurrency"]: x for x in nodet["batched"]["levels"]}
+        lo, hi = min(lv), max(lv)
+        text += (f" Without determinism (`--no-deterministic`, its own run) a single stream decodes "
+                 f"{lv[lo]['decode_tok_s']:.1f} tok/s and concurrency {hi} {lv[hi]['decode_tok_s']:.1f} tok/s.")
+    return text
+
+
+def quant_real_table(result: dict[str, Any]) -> str:
+    ex, rag = result["exact_prefix"], result["rag"]
+    head = ["KV storage", "bytes vs bf16", "exact-prefix top-1", "mean KL", "RAG accuracy", "same answer as full"]
+    rows = [["model dtype", "-", f"{ex['unquantized']['top1']:.1%}", "0",
+             f"{rag['unquantized']['accuracy']:.0%} (full prefill {rag['full']['accuracy']:.0%})",
+             f"{rag['unquantized']['same_answer']:.0%}"]]
+    for name in ("int8 group 32", "int8 group 128", "int4 group 32", "int4 group 128"):
+        e, bits = ex[name], name.split()[0]
+        r = rag.get(bits) if name.endswith(" 32") else None
+        rows.append([name, f"{result['bytes_vs_bf16'][name]:.4g}x", f"{e['top1']:.1%}", f"{e['mean_kl']:.2g}",
+                     f"{r['accuracy']:.0%}" if r else "not run", f"{r['same_answer']:.0%}" if r else ""])
+    return (f"{SMOLLM2} (head_dim {result['head_dim']}): {ex['prompts']} exact-prefix prompts ({ex['near_ties']} "
+            f"near-ties, top-2 margin < {ex['near_tie_margin']}); {rag['questions']} held-out RAG questions at the "
+            "shipped default.\n\n" + md(head, rows))
+
+
+def quant_fidelity_table(result: dict[str, Any]) -> str:
+    rows = [[name, f"{r['top1']:.1%}", f"{r['mean_kl']:.3g}", str(r["flips"])] for name, r in result["results"].items()]
+    return (f"{result['model']} (head_dim {result['head_dim']}), {result['prompts']} exact-prefix prompts "
+            f"({next(iter(result['results'].values()))['near_ties']} near-ties). Needs `../shared/models/stories260K`, "
+            "which a clone lacks.\n\n" + md(["configuration", "top-1", "mean KL", "flips"], rows))
+
+
+def kernels_table(result: dict[str, Any]) -> str:
+    head = ["source", "into fp32", "% of bandwidth limit", "into bf16", "% of limit"]
+    f32, b16 = result["dst"]["float32"], result["dst"]["bfloat16"]
+
+    def cell(r: dict[str, Any]) -> str:
+        return f"{r['fused_ms']:.1f} ms vs {r['torch_ms']:.0f} ms ({r['speedup']:.0f}x)"
+
+    rows = [[src, cell(f32[src]), f"{f32[src]['fraction_of_bandwidth']:.0%}", cell(b16[src]),
+             f"{b16[src]['fraction_of_bandwidth']:.0%}"] for src in f32]
+    same = all(r["identical_to_torch"] for d in (f32, b16) for r in d.values())
+    sh = result["shape"]
+    return (f"Fused dequantize + re-rotate + write of a {sh['tokens']:,}-token cache ({sh['layers']} layers, "
+            f"{sh['kv_heads']} KV heads, head_dim {sh['head_dim']}), C++ kernel vs the unfused torch path, "
+            f"{result['threads']} threads, memcpy bandwidth {result['memcpy_GBps']:.1f} GB/s; results "
+            f"{'bit-identical to' if same else 'NOT identical to'} the torch reference.\n\n" + md(head, rows))
+
+
+def storage_table(result: dict[str, Any]) -> str:
+    sh = result["shape"]
+    rows = [[k, f"{v['bytes_per_token']:,.0f}", f"{v['ratio_vs_bf16']:.4g}x"]
+            for k, v in result["bytes_per_token"].items()]
+    c = result["cold_start_vs_recompute"]
+    cold = [[k, f"{c[k]['ttft_s']:.2f} s", f"{c[k]['speedup_vs_recompute']:.0f}x",
+             "yes" if c[k]["top1_same_as_recompute"] else "no"] for k in ("bf16", "int8", "int4") if k in c]
+    r = result["redis_cross_process"]
+    return (f"Bytes per token ({sh['layers']} layers, {sh['kv_heads']} KV heads, head_dim {sh['head_dim']}, "
+            f"group {sh['group_size']}):\n\n" + md(["storage", "bytes per token", "vs bf16"], rows)
+            + f"\n\nA fresh engine answering a {c['tokens']:,}-token prompt from a `disk:` store against "
+              f"recomputing it ({c['recompute_s']:.1f} s):\n\n"
+            + md(["files", "TTFT", "speedup", "same top-1"], cold)
+            + f"\n\nRedis across processes: {r['hits']} of {r['blocks_requested_by_process_b']} blocks hit, "
+              f"{r['get_ms_per_block']} ms per block.")
+
+
+def ttft_tables(result: dict[str, Any]) -> str:
+    import readme_table as rt  # benchmarks/readme_table.py
+
+    return (f"{result['model']}, {result['machine']['cpu_threads']} threads, {result['date'][:10]}.\n\n"
+            "Workload A (a system prompt, n warmed documents in a new order, a question):\n\n"
+            + rt.workload_a_table(result) + "\n\nWorkload B (a multi-turn chat; TTFT in seconds per turn):\n\n"
+            + rt.workload_b_table(result))
+
+
+def quality_tables(result: dict[str, Any]) -> str:
+    import readme_table as rt
+
+    return rt.quality_tables(result) + ("\n\nThe stories260K rows need `../shared/models/stories260K`, which a "
+                                        "clone lacks.")
+
+
+def grammar_table(result: dict[str, Any]) -> str:
+    head = ["library", "version", "per token (mask + advance)", "schema compile"]
+    rows = []
+    for lib in result["results"]:
+        if not lib.get("installed") or not lib.get("schemas"):
+            continue
+        per = [s["per_token_us"] for s in lib["schemas"].values()]
+        comp = [s["compile_s"] * 1e3 for s in lib["schemas"].values()]
+        rows.append([lib["library"], lib["version"], f"{min(per):.0f}-{max(per):.0f} us",
+                     f"{min(comp):.1f}-{max(comp):.1f} ms"])
+    return (f"Constrained-decoding libraries on the {result['tokenizer']} vocabulary ({result['vocab']:,} tokens), "
+            f"against a {result['decode_step_ms']:.0f} ms decode step; `{result['command'].strip()}`.\n\n"
+            + md(head, rows))
+
+
+def recheck_table(result: dict[str, Any]) -> str:
+    rows = []
+    for part in ("tune", "heldout"):
+        for name, r in result.get(part, {}).items():
+            rows.append([part, name, f"{r['mean_kl']:.4f}", f"{r['top1']:.0%}", f"{r['greedy_match']:.0%}",
+                         f"{r['work_share']:.0%}"])
+    return (f"{result['model']}, {result['prompts']} prompts per set (needs `../shared/models/stories260K`); work = "
+            "token-layers run / (prompt tokens x layers).\n\n"
+            + md(["prompts", "setting", "mean KL", "top-1", "greedy match", "work"], rows))
+
+
+def determinism_cost_table(result: dict[str, Any]) -> str:
+    rows = [[str(r["context"]), str(r["batch"]), "on" if r["deterministic"] else "off", f"{r['step_ms']:.0f} ms",
+             f"{r['tok_s']:.1f}"] for r in result["rows"]]
+    return (f"{result['model']}, {result['threads']} thread, one decode step:\n\n"
+            + md(["context", "batch", "deterministic", "step", "tok/s"], rows))
+
+
+# ------------------------------------------------------------------------------------------- registry
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A generated block: the results files it reads (under benchmarks/results) and how it renders them.
+
+    ``optional`` files are passed as None when absent; a missing required file leaves the block empty."""
+
+    name: str
+    sources: tuple[str, ...]
+    render: Callable[..., str]
+    optional: tuple[str, ...] = ()
+
+
+TABLES = (
+    Table("headline", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), headline_table),
+    Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use),
+    Table("rag_eval", ("rag_eval.json",), rag_eval_table),
+    Table("rag_long", ("rag_ttft_4k.json",), rag_long_table),
+    Table("rag_tune", ("rag_tune_a.json", "rag_tune_b.json"), rag_summary_table),
+    Table("rag_tune_chatwarm", ("rag_tune_chatwarm.json",), rag_summary_table),
+    Table("rag_tune_mass", ("rag_tune_mass.json",), rag_summary_table),
+    Table("rag_tune_recheck", ("rag_tune_recheck.json",), rag_summary_table),
+    Table("reader", ("rag_eval_reader.json", "rag_eval.json"), reader_table),
+    Table("reader_r15mix", ("rag_eval_reader_r15mix.json", "rag_eval.json"), reader_table),
+    Table("serve", ("serve.json",), serve_table, optional=("serve_nodet.json",)),
+    Table("serve_determinism_cost", ("serve_determinism_cost.json",), determinism_cost_table),
+    Table("quant_real", ("quant_real.json",), quant_real_table),
+    Table("quant_fidelity", ("quant_fidelity.json",), quant_fidelity_table),
+    Table("kernels", ("kernels.json",), kernels_table),
+    Table("storage", ("storage.json",), storage_table),
+    Table("ttft", ("ttft.json",), ttft_tables),
+    Table("quality", ("quality.json",), quality_tables),
+    Table("grammar", ("grammar.json",), grammar_table),
+    Table("recheck_stories", ("recheck_stories.json",), recheck_table),
+)
+PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png")
+
+
+def render_block(table: Table, root: Path = ROOT) -> str:
+    """The Markdown between the markers ('' when a required results file is absent)."""
+    paths = [root / RESULTS / s for s in table.sources]
+    if not all(p.is_file() for p in paths):
+        return ""
+    args = [json.loads(p.read_text()) for p in paths]
+    for s in table.optional:
+        p = root / RESULTS / s
+        args.append(json.loads(p.read_text()) if p.is_file() else None)
+    files = ", ".join(f"`{RESULTS / s}`" for s in table.sources + tuple(
+        s for s in table.optional if (root / RESULTS / s).is_file()))
+    return table.render(*args).rstrip() + f"\n\n<small>Rendered from {files} by `scripts/render_figures.py`.</small>\n"
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    out = [root / "README.md"]
+    out += sorted((root / "docs").rglob("*.md"))
+    return [p for p in out if p.is_file()]
+
+
+def render_page(text: str, root: Path = ROOT, where: str = "") -> str:
+    by_name = {t.name: t for t in TABLES}
+    cache: dict[str, str] = {}
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in by_name:
+            raise SystemExit(f"{where}: marker names no table: figures:{name} (known: {', '.join(by_name)})")
+        if name not in cache:
+            cache[name] = render_block(by_name[name], root)
+        return m.group(1) + cache[name] + m.group(4)
+
+    return BLOCK.sub(sub, text)
+
+
+def render_all(root: Path = ROOT) -> dict[Path, str]:
+    """Every page's text as it should be committed (only pages with markers)."""
+    out = {}
+    for page in pages(root):
+        text = page.read_text()
+        if BLOCK.search(text):
+            out[page] = render_page(text, root, str(page.relative_to(root)))
+    return out
+
+
+def plot_copies(root: Path = ROOT) -> dict[Path, Path]:
+    """docs/figures/<name> -> benchmarks/results/<name> for every plot that exists."""
+    return {root / PLOTS_DIR / p: root / RESULTS / p for p in PLOTS if (root / RESULTS / p).is_file()}
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """Pages and plot copies that differ from what this script renders (empty when up to date)."""
+    out = [str(p.relative_to(root)) for p, text in render_all(root).items() if p.read_text() != text]
+    out += [str(dst.relative_to(root)) for dst, src in plot_copies(root).items()
+            if not dst.is_file() or dst.read_bytes() != src.read_bytes()]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a committed page or plot copy is stale")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = stale()
+        if bad:
+            print("stale (run python scripts/render_figures.py): " + ", ".join(bad), file=sys.stderr)
+            return 1
+        print("figures up to date")
+        return 0
+    for page, text in render_all().items():
+        if page.read_text() != text:
+            page.write_text(text)
+            print(f"rendered {page.relative_to(ROOT)}")
+    for dst, src in plot_copies().items():
+        if not dst.is_file() or dst.read_bytes() != src.read_bytes():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            print(f"copied {src.relative_to(ROOT)} -> {dst.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
