@@ -76,6 +76,8 @@ class Clock:
 def reuse_mode(stats: Mapping[str, Any]) -> str:
     """How the prompt's reused KV relates to a full prefill, read from the engine's stats (never assumed)."""
     approx = int(stats.get("reused_approx", 0)) + int(stats.get("reused_repaired", 0))
+    if approx == 0 and int(stats.get("reused_block", 0)) > 0:
+        return "block-exact (the block adapter's own prefill)"
     if approx == 0:
         return "exact" if float(stats.get("reuse_ratio", 0.0)) > 0 else "no reuse (computed in full)"
     repair = str(stats.get("repair", "?"))

@@ -82,7 +82,8 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
         keys, host = access(args)
     else:
         host = args.host or LOOPBACK
-    loaded = load_engine(args.model, store=args.store)
+    block = getattr(args, "block_adapter", None)
+    loaded = load_engine(args.model, store=args.store, **({"block_adapter": block} if block else {}))
     name = args.served_model_name or args.model
     aliases = (args.model, loaded.label, Path(args.model).name)
     state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a short name, HF model directory or hub id (default smollm2-135m-instruct); 'demo' is the "
                         "embedded 2M-parameter model: fast (the tests use it), not a real answer")
+    p.add_argument("--block-adapter", default=None, metavar="DIR|shipped",
+                   help="serve with a block adapter (kvboost-rag adapt --block; 'shipped': the one trained for "
+                        "--model): documents are served at repair='none' as that adapted model's own prefill")
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
                                                 "the server has no authentication, so keep it on loopback)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

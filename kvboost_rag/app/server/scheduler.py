@@ -292,7 +292,7 @@ class Scheduler:
         if r.params.seed is not None:
             r.generator = torch.Generator(device=res.last_logits.device).manual_seed(r.params.seed)
         token = sample(res.last_logits, r.params, r.generator)
-        cached = int(res.stats.get("reused_exact", 0)) + int(res.stats.get("reused_approx", 0))
+        cached = sum(int(res.stats.get(k, 0)) for k in ("reused_exact", "reused_block", "reused_approx"))
         ttft = time.perf_counter() - r.submitted
         r.emit("start", Started(prompt_tokens=n, cached_tokens=cached, ttft_s=ttft))
         if self.metrics is not None:
