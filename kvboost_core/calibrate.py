@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvboost_core.zoo import DEFAULTS_FILE  # re-exported: the file's name lives with the zoo
+
 log = logging.getLogger("kvboost_core.calibration")
 
-DEFAULTS_FILE = "kvboost.json"
 # up to 1.0 (every re-placed token recomputed: full-prefill quality, no saving) so a model that needs 0.7, as
 # SmolLM2 does, can be found by the search rather than reported as "no setting met the target"
 RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)

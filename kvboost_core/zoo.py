@@ -23,6 +23,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# The engine defaults beside a model's weights (written here for zoo models, by `kvboost-rag calibrate --write`
+# for others; kvboost_core.calibrate reads it). Defined here: calibrate imports zoo, never the other way round.
+DEFAULTS_FILE = "kvboost.json"
+
 
 @dataclass(frozen=True, slots=True)
 class ZooModel:
@@ -160,8 +164,6 @@ def _convert(model: ZooModel, src: Path, dst: Path) -> None:
 
 def _write_defaults(model: ZooModel, folder: Path) -> None:
     """kvboost.json with the shipped engine defaults, rewritten (atomically) only when it differs."""
-    from kvboost_core.calibrate import DEFAULTS_FILE
-
     body = json.dumps({"engine": shipped_defaults(model),
                        "source": "kvboost_core.zoo: shipped defaults for this model"}, indent=2) + "\n"
     path = folder / DEFAULTS_FILE

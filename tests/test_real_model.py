@@ -97,5 +97,5 @@ def test_make_demo_runs_on_the_real_model(capsys):
 
     assert cli.main(["demo", "--questions", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert f"model: {MODEL}" in out and "A (reuse)" in out and "A (full)" in out
-    assert "x faster (full/reuse)" in out and "12 warmed documents found" in out
+    assert f"model: {MODEL}" in out and "    reuse: " in out and "    full:  " in out and "TTFT reuse" in out
+    assert "Part 2:" in out and "exact reuse:" in out and "Where the time went" in out

@@ -119,6 +119,9 @@ def test_namespace_isolation(server):
     assert out_a.usage.prompt_tokens_details.cached_tokens > 0
     stats_a = httpx.get(server.v1 + "/documents/stats", headers={"Authorization": f"Bearer {KEY_A}"}).json()
     assert stats_a["namespace"] == "tenant-a" and stats_a["documents"] > 0
-    metrics = httpx.get(server.url + "/metrics").text
+    # /metrics sits behind the keys and shows the caller's own namespace only
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
     assert 'kvboost_cache_bytes{namespace="tenant-a",tier="memory"}' in metrics
+    assert 'namespace="tenant-b"' not in metrics
     assert "kvboost_ttft_seconds_bucket" in metrics and "kvboost_queue_depth" in metrics

@@ -83,7 +83,7 @@ def test_document_warmed_through_one_replica_is_a_hit_on_the_other(redis_url):  
     prompts = [p for p, _ in work]
     docs = [t for t in corpus if any(t in p for p in prompts)]
     assert docs, "the demo prompts contain no corpus document"
-    args = _args("--ray", "--replicas", "2", "--store", redis_url, "--port", str(free_port()),
+    args = _args("--ray", "--replicas", "2", "--model", "demo", "--store", redis_url, "--port", str(free_port()),
                  "--default-temperature", "0", "--max-queue", "8")
     keys, host = server_factory.access(args)
     t0 = time.monotonic()

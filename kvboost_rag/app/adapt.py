@@ -177,10 +177,6 @@ def evaluate(model: Any, reader: Any, samples: Sequence[Sample]) -> dict[str, fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is not None and "--block" in argv:  # the block adapter has its own trainer
-        from kvboost_rag.app.adapt_block import main as block_main
-
-        return block_main(argv)
     ap = argparse.ArgumentParser(prog="kvboost-rag adapt", description=__doc__.split("\n")[0],
                                  epilog="kvboost-rag adapt --block --help: train a block adapter instead")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name or a local HF folder (the base model)")

@@ -253,6 +253,10 @@ def run_bench(rest: Sequence[str]) -> int:
 
 
 def run_adapt(rest: Sequence[str]) -> int:
+    if "--block" in rest:  # the block adapter has its own trainer
+        from kvboost_rag.app.adapt_block import main as block_main
+
+        return int(block_main(list(rest)) or 0)
     from kvboost_rag.app.adapt import main as adapt_main
 
     return int(adapt_main(list(rest)) or 0)
