@@ -105,9 +105,10 @@ def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence
     positions = torch.arange(width, device=device).expand(len(uniq), width)
     model.model(input_ids=batch, position_ids=positions, cache=cache, use_cache=True)
     out: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    layers: list[Any] = list(cache.layers)  # full-attention layers: each holds (B, H, T, D) keys and values
     for i, d in enumerate(uniq):
         n = len(lead) + len(d)
-        out[d] = [(layer.keys[i: i + 1, :, :n], layer.values[i: i + 1, :, :n]) for layer in cache.layers]
+        out[d] = [(layer.keys[i: i + 1, :, :n], layer.values[i: i + 1, :, :n]) for layer in layers]
     return out
 
 
