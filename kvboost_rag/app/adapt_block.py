@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvboost_rag.app.adapt import kl_loss, teacher
 from kvboost_rag.app.bench.rag import DEFAULT_MODEL, SYSTEM, user_message
 from kvboost_rag.app.cli_util import positive_int
 
@@ -99,7 +100,6 @@ class Sample:
 def prepare(rag: Any, chat: Chat, max_new_tokens: int, teacher_model: Any) -> Sample | None:
     """The engine's own plan of ``chat`` (documents warmed first) and the base model's answer to it."""
     from kvboost_core.block_prefill import block_runs
-    from kvboost_rag.app.adapt import teacher
 
     engine = rag.engine
     register(rag, chat.docs)
@@ -131,11 +131,6 @@ def student_logp(model: Any, lead: Sequence[int], s: Sample) -> torch.Tensor:
 
     logits, _ = block_forward(model, s.ids + s.answer[:-1], s.runs, lead, logits_from=len(s.ids) - 1)
     return torch.log_softmax(logits, -1)
-
-
-def kl_loss(teacher_logp: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    t = teacher_logp.float()
-    return (t.exp() * (t - student)).sum(-1).mean()
 
 
 @torch.no_grad()
