@@ -30,6 +30,7 @@ from kvboost_core.assembly import (
 )
 from kvboost_core.autocalib import FirstUse, load_cached
 from kvboost_core.autocalib import apply as apply_calibration
+from kvboost_core.backfill import Backfiller, BackfillJob, BackfillResult, conversation_job, run_job
 from kvboost_core.chunking import boundary_predicate, chunk_spans
 from kvboost_core.config import (
     EngineConfig,
@@ -137,6 +138,7 @@ class KVEngine:
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = self._eos_ids()
+        self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.backfill); idle until used
         # calibration on first use (kvboost_core.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None
         cached = load_cached(self) if config.auto_calibrate and not self.adapter.no_reuse else None
@@ -412,8 +414,9 @@ class KVEngine:
         return segs, total, plan_chunks(segs, self._spans)
 
     def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
-                 t0: float) -> tuple[PrefillResult, Plan, ScatterCache]:
-        segs, total, chunks = self._prompt_chunks(prompt, add_special_tokens)
+                 t0: float, prepared: tuple[list[TokenizedSegment], int, list[Any]] | None = None,
+                 count: bool = True) -> tuple[PrefillResult, Plan, ScatterCache]:
+        segs, total, chunks = prepared or self._prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
         # Repaired (approximate) prefixes are served only where this engine stores them: never by default.
         allow_repaired = spec.repair != "full" and spec.reuse_repaired and self.config.store_repaired
@@ -450,8 +453,9 @@ class KVEngine:
         stats = self._prefill_stats(plan, final, spec, per_layer)
         stats.update(reader=cache.gate_from is not None, check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
                      assemble_s=t_place - t_lookup, forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
-        self._counters.add(hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
-                           hits_content=plan.hits_content, misses=plan.misses, prefills=1)
+        if count:  # a backfill step is not a request: stats() counts it apart
+            self._counters.add(hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
+                               hits_content=plan.hits_content, misses=plan.misses, prefills=1)
         result = PrefillResult(token_ids=list(plan.token_ids), last_logits=logits,
                                cache=AssembledCache(cache.keys, cache.values, total), stats=stats)
         return result, plan, cache
@@ -583,9 +587,20 @@ class KVEngine:
              query_tokens: int | None = None, recheck_layer: int | None = None,
              recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
+        with self._backfill.request():  # no backfill step starts while this request runs
+            yield from self._run_request(prompt, params, holder, t0, repair, recompute_ratio, select, check_layer,
+                                         add_special_tokens, store_prefix, reuse_repaired, recompute_mass,
+                                         query_tokens, recheck_layer, recheck_ratio, logits_processor)
+
+    def _run_request(self, prompt: Any, params: SamplingParams, holder: dict | None, t0: float, repair: str | None,
+                     recompute_ratio: float | None, select: str | None, check_layer: int | None,
+                     add_special_tokens: bool | None, store_prefix: bool | None, reuse_repaired: bool,
+                     recompute_mass: float | None, query_tokens: int | None, recheck_layer: int | None,
+                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None) -> Iterator[str]:
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
                                  query_tokens, recheck_layer, recheck_ratio)
-        pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0)
+        prepared = self._prompt_chunks(prompt, add_special_tokens)
+        pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0, prepared)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
@@ -631,6 +646,44 @@ class KVEngine:
                 text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
                 total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
                 stats=stats, first_logits=pre.last_logits)
+        if self._backfills(store_prefix):
+            self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self._spans))
+
+    # ------------------------------------------------------------------ exact history (kvboost_core.backfill)
+    def _backfills(self, store_prefix: bool | None) -> bool:
+        return bool(self.config.backfill) and not self.adapter.no_reuse and (
+            self.config.store_prefix if store_prefix is None else store_prefix)
+
+    def _backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
+        """Compute the prefix ``[0, end)`` of ``job`` exactly (stored exact prefix reused, the rest computed
+        causally in every layer) and store its chunks as exact prefix entries: (tokens reused, tokens computed)."""
+        chunks = [c for c in job.chunks if c.end <= end]
+        seg = TokenizedSegment(token_ids=job.token_ids[:end], start=0, cacheable=False)
+        spec = self._repair_spec("full", None, None, None, False, None, None, None, None)
+        _, plan, cache = self._prefill(None, spec, 0, None, time.perf_counter(), ([seg], end, chunks), count=False)
+        self._store_prefix(plan, cache, spec, True)
+        computed = end - plan.exact_len
+        self._counters.add(backfill_tokens=computed)
+        return plan.exact_len, computed
+
+    def backfill(self, prompt: Any, generated: Sequence[int] = (), *,
+                 add_special_tokens: bool | None = None) -> BackfillResult:
+        """Store the exact KV of ``prompt`` followed by ``generated`` token ids, now, in this thread.
+
+        The next prompt that continues this sequence (the next turn of a chat) then finds it as an exact prefix.
+        Engines with ``backfill=True`` do this by themselves after every generation, in a background thread;
+        call this where generation happens elsewhere (a batch scheduler) or to backfill synchronously."""
+        if not self.config.store_prefix or self.adapter.no_reuse:
+            raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
+        gen = list(generated)
+        check_vocab(gen, self._vocab, "generated")
+        segs, total, chunks = self._prompt_chunks(prompt, add_special_tokens)
+        self._check_context(total + len(gen))
+        return run_job(conversation_job(segs, chunks, gen, self._spans), self._backfill_step)
+
+    def wait_backfill(self, timeout: float | None = None) -> bool:
+        """Block until the background backfill jobs submitted so far are done; False on timeout."""
+        return self._backfill.wait(timeout)
 
     # ------------------------------------------------------------------ reference & introspection
     @torch.inference_mode()
@@ -645,7 +698,8 @@ class KVEngine:
         return {"entries": s.get("entries", 0), "tokens": s.get("tokens", 0), "bytes": s.get("bytes", 0),
                 "evictions": s.get("evictions", 0), "hits_exact": c["hits_exact"],
                 "hits_repaired": c["hits_repaired"], "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
-                "warmed_tokens": c["warmed_tokens"], "store": s}
+                "warmed_tokens": c["warmed_tokens"], "backfill_tokens": c.get("backfill_tokens", 0),
+                "backfill_pending": self._backfill.pending, "store": s}
 
     def calibrate(self, docs: Sequence[str | Sequence[int]] | None = None, *, prompts: Sequence[Any] | None = None,
                   max_kl: float = 0.01, min_top1: float = 0.95, budget_s: float | None = None,

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kvboost_rag.app import rag_corpus as rc
-from kvboost_rag.app.bench.multiturn import RETRIEVE_TURNS, Turn, plan_conversation, summarize, user_turn
+from kvboost_rag.app.bench.multiturn import (
+    RETRIEVE_TURNS,
+    Reuse,
+    Turn,
+    main,
+    plan_conversation,
+    summarize,
+    user_turn,
+)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -28,8 +36,9 @@ def test_plan_retrieves_on_some_turns_and_follows_up_on_shown_documents(seed):
 
 
 def _turn(turn: int, conv: int, apc_hit: float, hit: float, approx: float, same: bool) -> Turn:
-    return Turn(conv, turn, turn == 1, 100 * turn, 2.0, 1.0, 0.5, apc_hit, hit, hit - approx, approx,
-                approx == 0, same, True)
+    kv = {"defaults": Reuse(0.5, hit, hit - approx, approx, approx == 0, same, 0.0),
+          "backfill": Reuse(0.25, max(hit, apc_hit), max(hit, apc_hit), 0.0, True, True, 1.5)}
+    return Turn(conv, turn, turn == 1, 100 * turn, 2.0, 1.0, apc_hit, True, kv)
 
 
 def test_summary_reports_speedups_hits_and_exact_only_answers():
@@ -37,6 +46,15 @@ def test_summary_reports_speedups_hits_and_exact_only_answers():
             _turn(1, 1, 0.0, 0.7, 0.7, True), _turn(2, 1, 0.9, 0.85, 0.0, False)]
     s = summarize(rows)
     assert [p["turn"] for p in s] == [1, 2]
-    assert s[0]["kvboost_speedup"] == pytest.approx(4.0) and s[0]["apc_speedup"] == pytest.approx(2.0)
-    assert s[1]["exact_only_turns"] == 2 and s[1]["exact_only_same_answer"] == 1
-    assert s[0]["hit_at_least_apc"] and not s[1]["hit_at_least_apc"]
+    d, b = s[0]["kvboost"]["defaults"], s[1]["kvboost"]["defaults"]
+    assert d["speedup"] == pytest.approx(4.0) and s[0]["apc_speedup"] == pytest.approx(2.0)
+    assert b["exact_only_turns"] == 2 and b["exact_only_same_answer"] == 1
+    assert d["hit_at_least_apc"] and not b["hit_at_least_apc"]
+    bf = s[1]["kvboost"]["backfill"]
+    assert bf["speedup"] == pytest.approx(8.0) and bf["hit_at_least_apc"] and bf["backfill_s"] == 1.5
+
+
+def test_cli_refuses_unknown_variants(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--variants", "defaults,nope"])
+    assert e.value.code == 2 and "--variants" in capsys.readouterr().err

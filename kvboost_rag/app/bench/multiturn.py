@@ -30,13 +30,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvboost_core.adapters import output_cache
 from kvboost_rag.app.bench.flops import speedup
-from kvboost_rag.app.bench.rag import DEFAULT_MODEL, SYSTEM, hf_greedy
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 RETRIEVE_TURNS = (1, 4, 7)  # turns that retrieve new documents; the others follow up on what is in the history
+
+
+# kvboost variants: EngineConfig overrides on top of the model's shipped settings
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "backfill": {"backfill": True},  # exact history (kvboost_core.backfill)
+    "block+backfill": {"backfill": True, "block_adapter": "shipped"},  # documents at repair="none"
+}
+
+
+@dataclass(slots=True)
+class Reuse:
+    """One kvboost variant on one turn."""
+
+    ttft_s: float
+    hit: float  # share of the prompt reused (exact + approximate), not recomputed
+    exact: float
+    approx: float
+    exact_only: bool  # no approximate token was reused: the answer must equal HF's
+    same_answer: bool  # the greedy answer text == HF's
+    backfill_s: float  # the exact-history job after the answer, between turns (off the TTFT clock)
 
 
 @dataclass(slots=True)
@@ -47,14 +66,9 @@ class Turn:
     prompt_tokens: int
     hf_ttft_s: float
     apc_ttft_s: float
-    kvboost_ttft_s: float
     apc_hit: float  # share of the prompt served from an earlier sequence's exact prefix
-    kvboost_hit: float  # exact + approximate
-    kvboost_exact: float
-    kvboost_approx: float
-    exact_only: bool  # kvboost reused exact KV only (no approximate tokens): its answer must equal HF's
-    same_answer: bool  # kvboost's greedy answer text == HF's (its generated tokens decoded the same way)
     apc_top1: bool  # APC's first token == HF's
+    kvboost: dict[str, Reuse]
 
 
 def plan_conversation(corpus: Any, k: int, turns: int, seed: int) -> list[tuple[list[Any], Any]]:
@@ -111,84 +125,106 @@ class PrefixReuse:
                 best_n, best = n, cache
         return min(best_n, len(ids) - 1), best  # the last prompt token is always computed
 
-    @torch.inference_mode()
     def first_token(self, ids: list[int]) -> tuple[float, int, int]:
         """(TTFT, tokens reused, first token)."""
+        import torch
+
         n, best = self.hit(ids)
         cache = None
         if best is not None and n > 0:
             cache = copy.deepcopy(best)  # vLLM shares blocks without a copy: keep it off the clock
             cache.crop(n - cache.get_seq_length())
-        t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        tok = int(out.logits[0, -1].argmax())
-        return time.perf_counter() - t0, n, tok
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            tok = int(out.logits[0, -1].argmax())
+            return time.perf_counter() - t0, n, tok
 
     def add(self, seq: list[int], cache: Any) -> None:
         self.entries.append((seq, cache))
 
 
-@torch.inference_mode()
 def _hf_answer(model: Any, tokenizer: Any, ids: list[int], max_new: int, eos: set[int]) -> tuple[Any, Any]:
     """HF's greedy reference, and its cache over the prompt and every generated token but the last."""
+    import torch
+
+    from kvboost_core.adapters import output_cache
+    from kvboost_rag.app.bench.rag import hf_greedy
+
     ref = hf_greedy(model, tokenizer, ids, max_new, eos)
     seq = list(ids) + ref.tokens[:-1]
-    cache = output_cache(model(input_ids=torch.tensor([seq], device=model.device), use_cache=True,
-                               logits_to_keep=1))  # off the clock: APC's stored blocks
+    with torch.inference_mode():
+        cache = output_cache(model(input_ids=torch.tensor([seq], device=model.device), use_cache=True,
+                                   logits_to_keep=1))  # off the clock: APC's stored blocks
     return ref, (seq, cache)
 
 
-def run(rag: Any, conversations: int, turns: int, k: int, max_new_tokens: int, seed: int = 0,
+def _kvboost_turn(rag: Any, prompt: str, special: bool, ids: list[int], ref: Any, max_new: int) -> Reuse:
+    res = rag.generate(prompt, max_new_tokens=max_new, add_special_tokens=special)
+    if res.prompt_token_ids != ids:
+        raise RuntimeError("prompt drift: kvboost tokenized the prompt differently from HF")
+    t0 = time.perf_counter()
+    if not rag.engine.wait_backfill(timeout=3600):
+        raise RuntimeError("the backfill job did not finish within an hour")
+    backfill_s = time.perf_counter() - t0 if rag.engine.config.backfill else 0.0
+    st, n = res.stats, len(ids)
+    approx = st["reused_approx"] + st.get("reused_repaired", 0) + st.get("reused_block", 0)
+    return Reuse(st["ttft_s"], (st["reused_exact"] + approx) / n, st["reused_exact"] / n, approx / n, approx == 0,
+                 res.text.strip() == ref.text.strip(), backfill_s)
+
+
+def run(rags: dict[str, Any], conversations: int, turns: int, k: int, max_new_tokens: int, seed: int = 0,
         log: Any = print, partial: Any = None) -> dict[str, Any]:
-    """The benchmark; ``partial(result)``, when given, is called after every turn with the result so far."""
+    """The benchmark over ``rags`` (variant name -> KVBoostRAG; the first one's model is the HF reference);
+    ``partial(result)``, when given, is called after every turn with the result so far."""
     from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.bench.rag import SYSTEM
 
     corpus = rc.load_corpus("tune")  # tuning split only
-    t0 = time.perf_counter()
-    rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
-    warm_s = time.perf_counter() - t0
-    engine = rag.engine
-    model, tok = engine.model, engine.tokenizer
-    eos = set(engine._eos)
+    warm_s = {}
+    for name, rag in rags.items():
+        t0 = time.perf_counter()
+        rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
+        warm_s[name] = time.perf_counter() - t0
+    first = next(iter(rags.values()))
+    model, tok = first.engine.model, first.engine.tokenizer
+    eos = set(first.engine.eos_token_ids) if hasattr(first.engine, "eos_token_ids") else set(first.engine._eos)
     rows: list[Turn] = []
     for c in range(conversations):
         apc = PrefixReuse(model)
         messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
         for t, (docs, q) in enumerate(plan_conversation(corpus, k, turns, seed + c), start=1):
             messages.append({"role": "user", "content": user_turn([rc.doc_text(d) for d in docs], q.question)})
-            prompt = rag.chat_prompt(messages)
-            special = rag.chat_add_special_tokens(prompt)
-            ids = rag.encode(prompt, special)
+            prompt = first.chat_prompt(messages)
+            special = first.chat_add_special_tokens(prompt)
+            ids = first.encode(prompt, special)
             apc_s, apc_n, apc_tok = apc.first_token(ids)
             ref, entry = _hf_answer(model, tok, ids, max_new_tokens, eos)
-            res = rag.generate(prompt, max_new_tokens=max_new_tokens, add_special_tokens=special)
-            if res.prompt_token_ids != ids:
-                raise RuntimeError("prompt drift: kvboost tokenized the prompt differently from HF")
+            kv = {name: _kvboost_turn(rag, prompt, special, ids, ref, max_new_tokens) for name, rag in rags.items()}
             apc.add(*entry)
-            st, n = res.stats, len(ids)
-            approx = st["reused_approx"] + st.get("reused_repaired", 0)
-            rows.append(Turn(c, t, bool(docs), n, ref.ttft_s, apc_s, st["ttft_s"], apc_n / n,
-                             (st["reused_exact"] + approx) / n, st["reused_exact"] / n, approx / n, approx == 0,
-                             res.text.strip() == ref.text.strip(), apc_tok == ref.tokens[0]))
-            r = rows[-1]
+            n = len(ids)
+            rows.append(Turn(c, t, bool(docs), n, ref.ttft_s, apc_s, apc_n / n, apc_tok == ref.tokens[0], kv))
             if log:
-                log(f"conv {c + 1} turn {t:>2} {n:>5} tok  hf {r.hf_ttft_s:6.2f}s  apc {r.apc_ttft_s:6.2f}s "
-                    f"(hit {r.apc_hit:4.0%})  kvboost {r.kvboost_ttft_s:6.2f}s (hit {r.kvboost_hit:4.0%}, exact "
-                    f"{r.kvboost_exact:4.0%})  {'same' if r.same_answer else 'DIFF'} answer")
+                log(f"conv {c + 1} turn {t:>2} {n:>5} tok  hf {ref.ttft_s:6.2f}s  apc {apc_s:6.2f}s "
+                    f"(hit {apc_n / n:4.0%})" + "".join(
+                        f"  {name} {r.ttft_s:6.2f}s (hit {r.hit:4.0%}, exact {r.exact:4.0%}, "
+                        f"{'same' if r.same_answer else 'DIFF'})" for name, r in kv.items()))
             messages.append({"role": "assistant", "content": ref.text})
             if partial is not None:
-                partial(_result(engine, conversations, turns, k, max_new_tokens, warm_s, rows))
-    return _result(engine, conversations, turns, k, max_new_tokens, warm_s, rows)
+                partial(_result(rags, conversations, turns, k, max_new_tokens, warm_s, rows))
+    return _result(rags, conversations, turns, k, max_new_tokens, warm_s, rows)
 
 
-def _result(engine: Any, conversations: int, turns: int, k: int, max_new_tokens: int, warm_s: float,
-            rows: list[Turn]) -> dict[str, Any]:
+def _result(rags: dict[str, Any], conversations: int, turns: int, k: int, max_new_tokens: int,
+            warm_s: dict[str, float], rows: list[Turn]) -> dict[str, Any]:
+    engines = {name: {"repair": r.engine.config.repair, "recompute_ratio": r.engine.config.recompute_ratio,
+                      "check_layer": r.engine.config.check_layer, "store_prefix": r.engine.config.store_prefix,
+                      "backfill": r.engine.config.backfill, "block_adapter": r.engine.config.block_adapter}
+               for name, r in rags.items()}
     return {"split": "tune", "conversations": conversations, "turns": turns, "k": k,
             "max_new_tokens": max_new_tokens, "retrieve_turns": list(RETRIEVE_TURNS), "warm_s": warm_s,
-            "engine": {"repair": engine.config.repair, "recompute_ratio": engine.config.recompute_ratio,
-                       "check_layer": engine.config.check_layer, "store_prefix": engine.config.store_prefix},
-            "per_turn": summarize(rows), "rows": [asdict(r) for r in rows]}
+            "variants": engines, "per_turn": summarize(rows), "rows": [asdict(r) for r in rows]}
 
 
 def summarize(rows: list[Turn]) -> list[dict[str, Any]]:
@@ -196,20 +232,24 @@ def summarize(rows: list[Turn]) -> list[dict[str, Any]]:
     out = []
     for t in sorted({r.turn for r in rows}):
         rs = [r for r in rows if r.turn == t]
-
-        def med(attr: str, rs: list[Turn] = rs) -> float:
-            return float(statistics.median(getattr(r, attr) for r in rs))
-
-        hf, apc, kv = med("hf_ttft_s"), med("apc_ttft_s"), med("kvboost_ttft_s")
-        exact_rows = [r for r in rs if r.exact_only]
-        out.append({"turn": t, "prompt_tokens": med("prompt_tokens"), "hf_ttft_s": hf, "apc_ttft_s": apc,
-                    "kvboost_ttft_s": kv, "apc_speedup": hf / apc, "kvboost_speedup": hf / kv,
-                    "apc_hit": med("apc_hit"), "kvboost_hit": med("kvboost_hit"),
-                    "kvboost_exact": med("kvboost_exact"), "hit_at_least_apc": all(r.kvboost_hit >= r.apc_hit
-                                                                                   for r in rs),
-                    "exact_only_turns": len(exact_rows),
-                    "exact_only_same_answer": sum(r.same_answer for r in exact_rows),
-                    "same_answer": sum(r.same_answer for r in rs), "conversations": len(rs)})
+        hf = statistics.median(r.hf_ttft_s for r in rs)
+        apc = statistics.median(r.apc_ttft_s for r in rs)
+        variants = {}
+        for name in rs[0].kvboost:
+            vs = [(r, r.kvboost[name]) for r in rs]
+            kv = statistics.median(v.ttft_s for _, v in vs)
+            exact_rows = [v for _, v in vs if v.exact_only]
+            variants[name] = {
+                "ttft_s": kv, "speedup": hf / kv, "hit": statistics.median(v.hit for _, v in vs),
+                "exact": statistics.median(v.exact for _, v in vs),
+                "hit_at_least_apc": all(v.hit >= r.apc_hit for r, v in vs),
+                "exact_only_turns": len(exact_rows),
+                "exact_only_same_answer": sum(v.same_answer for v in exact_rows),
+                "same_answer": sum(v.same_answer for _, v in vs),
+                "backfill_s": statistics.median(v.backfill_s for _, v in vs)}
+        out.append({"turn": t, "prompt_tokens": statistics.median(r.prompt_tokens for r in rs), "hf_ttft_s": hf,
+                    "apc_ttft_s": apc, "apc_speedup": hf / apc, "apc_hit": statistics.median(r.apc_hit for r in rs),
+                    "conversations": len(rs), "kvboost": variants})
     return out
 
 
@@ -221,22 +261,26 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     pt = result["per_turn"]
     turns = [p["turn"] for p in pt]
+    names = list(pt[0]["kvboost"]) if pt else []
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label in (("hf_ttft_s", "HF full prefill"), ("apc_ttft_s", "exact prefix reuse (APC)"),
-                       ("kvboost_ttft_s", "kvboost (defaults)")):
-        ax.plot(turns, [p[key] for p in pt], marker="o", label=label)
-    ax.set_xlabel("turn")
+    ax.plot(turns, [p["hf_ttft_s"] for p in pt], marker="o", label="HF full prefill")
+    ax.plot(turns, [p["apc_ttft_s"] for p in pt], marker="o", label="exact prefix reuse (APC)")
+    bx.plot(turns, [p["apc_hit"] for p in pt], marker="o", label="APC")
+    for name in names:
+        ax.plot(turns, [p["kvboost"][name]["ttft_s"] for p in pt], marker="o", label=f"kvboost {name}")
+        bx.plot(turns, [p["kvboost"][name]["hit"] for p in pt], marker="o", label=f"kvboost {name}")
+        bx.plot(turns, [p["kvboost"][name]["exact"] for p in pt], marker=".", linestyle=":",
+                label=f"kvboost {name}, exact")
+    ax.set_xlabel("turn (new documents on turns " + ", ".join(map(str, result["retrieve_turns"])) + ")")
     ax.set_ylabel("TTFT, median over conversations (s)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    for key, label in (("apc_hit", "APC"), ("kvboost_hit", "kvboost"), ("kvboost_exact", "kvboost, exact")):
-        bx.plot(turns, [p[key] for p in pt], marker="o", label=label)
+    ax.legend(fontsize=7)
     bx.set_xlabel("turn")
-    bx.set_ylabel("prompt-token hit rate")
+    bx.set_ylabel("prompt tokens reused, not recomputed")
     bx.set_ylim(0, 1.02)
     bx.grid(True, alpha=0.3)
-    bx.legend(fontsize=8)
+    bx.legend(fontsize=7)
     fig.suptitle(f"Multi-turn RAG chat — {result['model']}, {result['threads']} thread(s)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -251,30 +295,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=10, help=f"documents per retrieval (turns {RETRIEVE_TURNS})")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="defaults,backfill",
+                    help=f"kvboost engines to run, comma-separated, from {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
     if args.turns < 1 or args.conversations < 1 or args.k < 1:
         ap.error("--turns, --conversations and --k must be >= 1")
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     from kvboost_rag import KVBoostRAG
 
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu")
+    rags = {name: KVBoostRAG.from_model_id(args.model, device="cpu", **VARIANTS[name]) for name in names}
+    if VARIANTS[names[0]].get("block_adapter"):
+        ap.error("--variants: the first variant's model is HF's reference; put a base-model variant first")
+
     def save(result: dict[str, Any]) -> None:
         result.update(model=args.model, threads=torch.get_num_threads())
         if args.json_path:
             Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_path).write_text(json.dumps(result, indent=1))
 
-    result = run(rag, args.conversations, args.turns, args.k, args.max_new_tokens, args.seed, partial=save)
+    result = run(rags, args.conversations, args.turns, args.k, args.max_new_tokens, args.seed, partial=save)
     save(result)
-    print("\nturn  tokens   HF s  APC s  kvboost s   APC        kvboost      hit APC/kvboost  exact-only same")
+    print("\nturn  tokens   HF s  APC s (hit)        " + "".join(f"{n:>28}" for n in names) + "   backfill s")
     for p in result["per_turn"]:
-        print(f"{p['turn']:>4} {p['prompt_tokens']:>7.0f} {p['hf_ttft_s']:6.2f} {p['apc_ttft_s']:6.2f}"
-              f" {p['kvboost_ttft_s']:9.2f}  {speedup(p['apc_speedup']):>14} {speedup(p['kvboost_speedup']):>14}"
-              f"  {p['apc_hit']:5.0%}/{p['kvboost_hit']:5.0%}  {p['exact_only_same_answer']}/{p['exact_only_turns']}")
+        cells = "".join(f"{v['ttft_s']:7.2f}s {speedup(v['speedup']):>13} {v['hit']:5.0%}"
+                        for v in p["kvboost"].values())
+        print(f"{p['turn']:>4} {p['prompt_tokens']:>7.0f} {p['hf_ttft_s']:6.2f} {p['apc_ttft_s']:6.2f} "
+              f"({p['apc_hit']:4.0%}) {speedup(p['apc_speedup']):>13}  {cells}   "
+              + " ".join(f"{v['backfill_s']:.2f}" for v in p["kvboost"].values()))
     if args.plot_path:
         plot(result, args.plot_path)
     return 0

@@ -1,0 +1,206 @@
+"""Exact history: after a generation, recompute its KV as a plain prefill would and store it as exact prefix.
+
+Why: a turn served from re-placed documents holds approximate KV, which is never stored (``store_repaired`` is
+off), so the next turn of the same conversation finds an exact prefix only up to the first re-placed document
+and repairs the whole history again: every follow-up pays CacheBlend's cost and CacheBlend's error. A backfill
+job computes the prompt plus the generated tokens causally in every layer (exact prefix entries reused, the rest
+computed) and stores each chunk as an exact prefix entry. The next turn then finds its whole history exact, as
+vLLM's prefix cache does after a full prefill, and its answer is the full prefill's answer wherever nothing new
+was re-placed.
+
+The cost is one prefill of what was not exact yet, paid between turns by one daemon thread, in steps of about
+``step_tokens`` that start only while no request is in flight (a request that arrives mid-step shares the CPU
+with at most one step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvboost_core.assembly import Chunk
+from kvboost_core.segments import TokenizedSegment
+
+log = logging.getLogger(__name__)
+
+STEP_TOKENS = 512  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillJob:
+    """A token sequence and the chunks its prefix entries are stored under (the next prompt's chunks)."""
+
+    token_ids: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    def __post_init__(self) -> None:
+        if not self.chunks or self.chunks[0].start != 0 or self.chunks[-1].end != len(self.token_ids):
+            raise ValueError("BackfillJob.chunks must cover token_ids from 0 to the end")
+        if any(a.end != b.start for a, b in zip(self.chunks, self.chunks[1:])):
+            raise ValueError("BackfillJob.chunks must be contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillResult:
+    tokens: int  # in the sequence
+    reused_exact: int  # tokens whose exact KV was stored already (counted once, at the first step)
+    computed: int  # tokens computed by this job
+    seconds: float
+    complete: bool  # False: stopped before the end (the worker was closed)
+
+
+def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], generated: Sequence[int],
+                     spans_of: Callable[[Sequence[int]], list[tuple[int, int]]]) -> BackfillJob:
+    """The job for a prompt and what was generated after it, chunked as the next turn's prompt will be.
+
+    A chat template continues the prompt's last text segment with the answer, so the generated tokens extend
+    that segment and it is re-cut with the same rule (chunking depends only on the segment's ids, and a cut
+    depends only on the tokens up to ``chunk_size + boundary_window`` after the chunk's start, so every full
+    chunk matches the next prompt's; the last one is matched token by token by the lookup's partial rule).
+    After a document (cacheable) segment the generated tokens start a segment of their own."""
+    ids = [t for s in segments for t in s.token_ids]
+    gen = list(generated)
+    if not segments or not ids:
+        raise ValueError("conversation_job needs a non-empty prompt")
+    last = segments[-1]
+    if last.cacheable or last.is_lead:
+        head = list(chunks)
+        tail_start, tail_ids, seg_index = len(ids), gen, len(segments)
+    else:
+        head = [c for c in chunks if c.segment != len(segments) - 1]
+        tail_start, tail_ids, seg_index = last.start, [*last.token_ids, *gen], len(segments) - 1
+    tail = [Chunk(tail_start + a, tail_start + b, seg_index) for a, b in spans_of(tail_ids)] if tail_ids else []
+    return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(head + tail))
+
+
+def step_ends(chunks: Sequence[Chunk], step_tokens: int) -> list[int]:
+    """Chunk-aligned positions at which a job's steps end: each step holds whole chunks, about ``step_tokens``."""
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens must be >= 1, got {step_tokens!r}")
+    ends, start = [], 0
+    for ch in chunks:
+        if ch.end - start >= step_tokens:
+            ends.append(ch.end)
+            start = ch.end
+    if not ends or ends[-1] != chunks[-1].end:
+        ends.append(chunks[-1].end)
+    return ends
+
+
+# run_step(job, end) -> (tokens already exact, tokens computed) for the prefix [0, end) of the job
+StepFn = Callable[[BackfillJob, int], tuple[int, int]]
+
+
+def run_job(job: BackfillJob, run_step: StepFn, *, step_tokens: int = STEP_TOKENS,
+            may_continue: Callable[[], bool] = lambda: True) -> BackfillResult:
+    """Run ``job`` step by step; ``may_continue()`` is asked before each step (it may wait), False stops it."""
+    t0 = time.perf_counter()
+    reused = computed = 0
+    for i, end in enumerate(step_ends(job.chunks, step_tokens)):
+        if not may_continue():
+            return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, False)
+        exact, done = run_step(job, end)
+        if i == 0:
+            reused = exact
+        computed += done
+    return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, True)
+
+
+class Backfiller:
+    """One daemon worker running backfill jobs in steps, each step only while no request is in flight.
+
+    Pending jobs are bounded (``max_pending``; the oldest is dropped) and a job whose sequence extends a pending
+    one's replaces it (the newer turn holds the older one's tokens)."""
+
+    def __init__(self, run_step: StepFn, *, step_tokens: int = STEP_TOKENS, max_pending: int = 8) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        self._run_step = run_step
+        self._step_tokens = step_tokens
+        self._pending: deque[BackfillJob] = deque(maxlen=max_pending)
+        self._cond = threading.Condition()
+        self._busy = 0  # requests in flight
+        self._running = False  # a job is being worked on
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.results: deque[BackfillResult] = deque(maxlen=64)  # the latest, for stats and benchmarks
+
+    def submit(self, job: BackfillJob) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            for old in list(self._pending):
+                if job.token_ids[: len(old.token_ids)] == old.token_ids:
+                    self._pending.remove(old)  # superseded: the new job covers it
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvboost-backfill", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        """Mark a request in flight: no backfill step starts until it ends."""
+        with self._cond:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job is done; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending) + int(self._running)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify_all()
+
+    def _idle_step(self) -> bool:
+        """Wait until no request is in flight; False when closed."""
+        with self._cond:
+            while self._busy and not self._closed:
+                self._cond.wait(0.05)
+            return not self._closed
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._pending.popleft()
+                self._running = True
+            try:
+                self.results.append(self._run(job))
+            except Exception:  # a failed job loses only its own speed-up: never the worker or a request
+                log.warning("kvboost: a backfill job failed; its conversation is served without it", exc_info=True)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def _run(self, job: BackfillJob) -> BackfillResult:
+        return run_job(job, self._run_step, step_tokens=self._step_tokens, may_continue=self._idle_step)

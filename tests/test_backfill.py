@@ -1,0 +1,157 @@
+"""Exact history (kvboost_core.backfill): after a turn served from re-placed documents, the next turn's history
+is reused exactly and answered as a full prefill answers it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import CORPUS
+from helpers import compare_logits, engine_for, full_logits
+
+from kvboost_core import Segment
+from kvboost_core.assembly import Chunk
+from kvboost_core.backfill import Backfiller, BackfillJob, conversation_job, run_job, step_ends
+from kvboost_core.segments import TokenizedSegment
+
+DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
+QUESTION = " Where was Alice born?"
+FOLLOW_UP = " And where did she go next?"
+
+
+def _turn1(eng):
+    return [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(text=QUESTION)]
+
+
+def _turn2(eng, generated):
+    """The next turn as a chat template renders it: the question's text segment continues with the answer and
+    the follow-up (token ids, so that the answer is exactly the generated tokens)."""
+    q = eng.tokenize_ids(Segment(text=QUESTION), add_special_tokens=False)
+    f = eng.tokenize_ids(Segment(text=FOLLOW_UP), add_special_tokens=False)
+    return [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(token_ids=q + list(generated) + f)]
+
+
+def _warmed(model, tok, **kw):
+    eng = engine_for(model, tok, **kw)
+    eng.warm(CORPUS[:5])
+    return eng
+
+
+@torch.inference_mode()
+def _hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def test_next_turn_is_exact_after_backfill_and_approximate_without(tiny_llama, tokenizer):
+    kw = dict(repair="cacheblend", recompute_ratio=0.3)
+    plain, filled = _warmed(tiny_llama, tokenizer), _warmed(tiny_llama, tokenizer)
+    first = filled.generate(_turn1(filled), max_new_tokens=6, **kw)
+    assert first.stats["reused_approx"] > 0  # turn 1 was served from re-placed documents
+    res = filled.backfill(_turn1(filled), first.token_ids)
+    history = len(first.prompt_token_ids) + len(first.token_ids)
+    assert res.complete and res.tokens == history and res.computed > 0
+
+    turn2 = _turn2(filled, first.token_ids)
+    ids = filled.tokenize_ids(turn2)
+    assert ids[:history] == first.prompt_token_ids + first.token_ids
+    ref = full_logits(tiny_llama, ids)
+    before = plain.prefill(turn2, store_prefix=False, **kw)
+    after = filled.prefill(turn2, store_prefix=False, **kw)
+    # Without backfill the history's documents are re-placed again: approximate, and it shows in the logits.
+    assert before.stats["reused_approx"] > 0 and compare_logits(ref, before.last_logits)["max_abs_diff"] > 1e-3
+    assert after.stats["reused_exact"] == history and after.stats["reused_approx"] == 0
+    assert compare_logits(ref, after.last_logits)["max_abs_diff"] < 1e-4
+    # answers, not only the first token: greedy decoding equals HF's on the exact history
+    gen = filled.generate(turn2, max_new_tokens=8, store_prefix=False, **kw)
+    assert gen.token_ids == _hf_greedy(tiny_llama, ids, len(gen.token_ids))
+
+
+def test_background_backfill_after_generate(tiny_llama, tokenizer):
+    eng = _warmed(tiny_llama, tokenizer, backfill=True, repair="cacheblend", recompute_ratio=0.3)
+    first = eng.generate(_turn1(eng), max_new_tokens=6)
+    assert eng.wait_backfill(timeout=60)
+    assert eng.stats()["backfill_tokens"] > 0 and eng.stats()["backfill_pending"] == 0
+    turn2 = _turn2(eng, first.token_ids)
+    after = eng.prefill(turn2, store_prefix=False)
+    assert after.stats["reused_exact"] == len(first.prompt_token_ids) + len(first.token_ids)
+    assert compare_logits(full_logits(tiny_llama, eng.tokenize_ids(turn2)), after.last_logits)["max_abs_diff"] < 1e-4
+
+
+def test_backfill_off_by_default_and_steps_resume_from_stored_prefix(tiny_llama, tokenizer):
+    eng = _warmed(tiny_llama, tokenizer, repair="cacheblend", recompute_ratio=0.3)
+    eng.generate(_turn1(eng), max_new_tokens=4)
+    assert eng.stats()["backfill_tokens"] == 0 and eng.stats()["backfill_pending"] == 0
+    segs = eng.tokenize(_turn1(eng))
+    chunks = [Chunk(s.start + a, s.start + b, i) for i, s in enumerate(segs) for a, b in eng._spans(s.token_ids)]
+    job = conversation_job(segs, chunks, [5, 6, 7], eng._spans)
+    res = run_job(job, eng._backfill_step, step_tokens=20)  # several steps: each resumes from the last one
+    assert res.computed + res.reused_exact == res.tokens
+    again = run_job(job, eng._backfill_step, step_tokens=20)
+    assert len(step_ends(job.chunks, 20)) > 1 and again.computed == 0  # all stored exact by the first run
+
+
+def test_backfill_refuses_bad_input(tiny_llama, tokenizer):
+    eng = _warmed(tiny_llama, tokenizer)
+    with pytest.raises(ValueError, match="generated"):
+        eng.backfill(_turn1(eng), [10**9])
+    with pytest.raises(ValueError, match="store_prefix"):
+        engine_for(tiny_llama, tokenizer, store_prefix=False).backfill(_turn1(eng))
+    with pytest.raises(TypeError, match="backfill"):
+        engine_for(tiny_llama, tokenizer, backfill="yes")
+
+
+def _seg(ids, start, cacheable):
+    return TokenizedSegment(token_ids=tuple(ids), start=start, cacheable=cacheable)
+
+
+def test_conversation_job_extends_the_last_text_segment_and_recuts_it():
+    spans = lambda ids: [(i, min(i + 4, len(ids))) for i in range(0, len(ids), 4)]  # noqa: E731
+    segs = [_seg(range(10, 16), 0, True), _seg([1, 2, 3], 6, False)]
+    chunks = [Chunk(0, 4, 0), Chunk(4, 6, 0), Chunk(6, 9, 1)]
+    job = conversation_job(segs, chunks, [7, 8, 9, 10, 11], spans)
+    assert job.token_ids == (*range(10, 16), 1, 2, 3, 7, 8, 9, 10, 11)
+    # the question segment [6, 9) grows to [6, 14) and is re-cut as the next prompt will cut it
+    assert job.chunks == (Chunk(0, 4, 0), Chunk(4, 6, 0), Chunk(6, 10, 1), Chunk(10, 14, 1))
+    # after a document, the answer is a segment of its own
+    job = conversation_job(segs[:1], chunks[:2], [7, 8], spans)
+    assert job.chunks[-1] == Chunk(6, 8, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        BackfillJob(token_ids=(1, 2, 3), chunks=(Chunk(0, 1, 0), Chunk(2, 3, 0)))
+    assert step_ends(job.chunks, 5) == [6, 8] and step_ends(job.chunks, 100) == [8]
+
+
+def test_worker_waits_for_requests_and_drops_superseded_jobs():
+    ran: list[tuple[tuple[int, ...], int]] = []
+    bf = Backfiller(lambda job, end: ran.append((job.token_ids, end)) or (0, end), step_tokens=2)
+    short = BackfillJob(token_ids=(1, 2), chunks=(Chunk(0, 2, 0),))
+    long = BackfillJob(token_ids=(1, 2, 3, 4), chunks=(Chunk(0, 2, 0), Chunk(2, 4, 0)))
+    with bf.request():
+        bf.submit(short)
+        bf.submit(long)  # extends the pending short job: replaces it
+        time.sleep(0.2)
+        assert ran == [] and bf.pending == 1  # nothing starts while a request is in flight
+    assert bf.wait(timeout=10)
+    assert ran == [((1, 2, 3, 4), 2), ((1, 2, 3, 4), 4)]
+    assert bf.results[-1].complete and bf.results[-1].computed == 6
+
+
+def test_worker_survives_a_failing_job(caplog):
+    calls = threading.Event()
+
+    def step(job, end):
+        if job.token_ids == (9,):
+            raise RuntimeError("boom")
+        calls.set()
+        return 0, end
+
+    bf = Backfiller(step)
+    bf.submit(BackfillJob(token_ids=(9,), chunks=(Chunk(0, 1, 0),)))
+    bf.submit(BackfillJob(token_ids=(1,), chunks=(Chunk(0, 1, 0),)))
+    assert bf.wait(timeout=10) and calls.is_set()
+    assert "backfill job failed" in caplog.text
+    bf.close()
+    bf.submit(BackfillJob(token_ids=(2,), chunks=(Chunk(0, 1, 0),)))
+    assert bf.pending == 0
