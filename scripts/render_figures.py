@@ -262,7 +262,8 @@ def headline_table(result: dict[str, Any], long: dict[str, Any], ttft: dict[str,
             + md(head, rows) + "\n\n" + exact)
 
 
-def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, Any]) -> str:
+def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, Any],
+                multiturn: dict[str, Any] | None = None) -> str:
     """The README's "when to use it" bullets, their numbers taken from the same files as the headline table."""
     def row(name: str) -> tuple[Any, ...]:
         mine, full = _paired(result, name)
@@ -280,6 +281,20 @@ def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, An
         f"({last['prompt_tokens']:,} tokens) starts {_fmt_speedup(last['full_ttft_s'] / last['ours_ttft_s'])} "
         f"than recomputing it ({ttft['model']} on CPU; prefix caching in other servers does this too).",
     ]
+    if multiturn is not None and "backfill" in multiturn["per_turn"][0]["kvboost"]:
+        pt = multiturn["per_turn"]
+        follow = [p for p in pt if p["turn"] not in multiturn["retrieve_turns"]]
+        new = [p for p in pt if p["turn"] in multiturn["retrieve_turns"] and p["turn"] > 1]
+        bf = [p["kvboost"]["backfill"] for p in follow]
+        ex = sum(b["exact_only_turns"] for b in bf)
+        lines.append(
+            f"- **Multi-turn RAG chat: turn on `backfill=True`.** Each answered turn is recomputed exactly between "
+            f"turns, so follow-ups reuse their whole history exactly: on {SMOLLM2}, follow-up turns start "
+            f"from {_fmt_speedup(min(b['speedup'] for b in bf))} to {_fmt_speedup(max(b['speedup'] for b in bf))} than "
+            f"full prefill with {sum(b['exact_only_same_answer'] for b in bf)} of {ex} exact-reuse answers equal to "
+            f"it; turns that retrieve new documents "
+            + ", ".join(_fmt_speedup(p['kvboost']['backfill']['speedup']) for p in new)
+            + " ([multi-turn figures](docs/figures.md#multi-turn)).")
     if "cacheblend-0.15" in result["summary"]:
         diff, same, speed = row("cacheblend-0.15")
         lines.append(
@@ -471,9 +486,60 @@ class Table:
     optional: tuple[str, ...] = ()
 
 
+def flops_table(result: dict[str, Any]) -> str:
+    """#25's FLOP model: ideal and as-implemented FLOP fractions of a full prefill against the measured wall."""
+    size = max(result["workload_a"]["sizes"], key=int)
+    w = result["workload_a"]["sizes"][size]
+    rows = []
+    for name, m in w["methods"].items():
+        if name == "full" or "flops_ideal_fraction" not in m:
+            continue
+        rows.append([f"`{name}`", f"{m['flops_ideal_fraction']:.3f}", f"{m['flops_implemented_fraction']:.3f}",
+                     f"{m['wall_fraction']:.3f}", f"{m['efficiency']:.2f}", _fmt_speedup(m["speedup_vs_full"]),
+                     f"{m['ttft_median_s']:.2f} s"])
+    full = w["methods"]["full"]["ttft_median_s"]
+    head = (f"{result['model']}, {w['context_tokens']:,} tokens ({w['documents']} re-placed documents), "
+            f"{result['machine']['cpu_threads']} thread, attention query blocks of "
+            f"{result['attention_block_rows']} rows; HF full prefill {full:.2f} s. Fractions are of a full "
+            "prefill; efficiency = ideal FLOP fraction / measured wall fraction.\n\n")
+    return head + md(["setting", "ideal FLOPs", "as implemented", "wall", "efficiency", "TTFT vs full",
+                      "TTFT"], rows)
+
+
+def multiturn_table(result: dict[str, Any]) -> str:
+    """#25's multi-turn chat: TTFT and reuse per turn, HF, exact prefix reuse and each kvboost variant."""
+    pt = result["per_turn"]
+    names = list(pt[0]["kvboost"]) if pt else []
+    rows = []
+    for p in pt:
+        cells = [str(p["turn"]) + (" (new documents)" if p["turn"] in result["retrieve_turns"] else ""),
+                 f"{p['prompt_tokens']:,.0f}", f"{p['hf_ttft_s']:.2f} s",
+                 f"{_fmt_speedup(p['apc_speedup'])} ({p['apc_hit']:.0%})"]
+        cells += [f"{_fmt_speedup(p['kvboost'][n]['speedup'])} ({p['kvboost'][n]['hit']:.0%})" for n in names]
+        rows.append(cells)
+    n_rows = len(result["rows"])
+    same = []
+    for n in names:
+        total = sum(p["kvboost"][n]["same_answer"] for p in pt)
+        ex = sum(p["kvboost"][n]["exact_only_turns"] for p in pt)
+        ex_same = sum(p["kvboost"][n]["exact_only_same_answer"] for p in pt)
+        bf = sum(r["kvboost"][n]["backfill_s"] for r in result["rows"])
+        block = bool(result.get("variants", {}).get(n, {}).get("block_adapter"))
+        exact = ("on turns with exact reuse only (exact for the adapted model, which is not the base model), "
+                 if block else "on turns with exact reuse only, ")
+        same.append(f"**{n}**: {total}/{n_rows} answers equal HF's; {exact}{ex_same}/{ex}"
+                    + (f"; backfill {bf:.1f} s in all, between turns" if bf else ""))
+    head = (f"{result['model']}, {result['conversations']} conversations x {result['turns']} turns, "
+            f"k={result['k']} documents per retrieval, {result['max_new_tokens']} new tokens, greedy, "
+            f"{result['threads']} thread. Cells: TTFT against HF full prefill (share of the prompt reused, not "
+            "recomputed), medians over conversations.\n\n")
+    return head + md(["turn", "prompt tokens", "HF full prefill", "exact prefix reuse (APC)",
+                      *[f"kvboost {n}" for n in names]], rows) + "\n\n" + "\n".join(f"- {x}" for x in same)
+
+
 TABLES = (
     Table("headline", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), headline_table),
-    Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use),
+    Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use, optional=("multiturn.json",)),
     Table("rag_eval", ("rag_eval.json",), rag_eval_table),
     Table("block", ("rag_heldout_block.json", "block_ttft_4k.json"), block_table),
     Table("rag_long", ("rag_ttft_4k.json",), rag_long_table),
@@ -493,8 +559,11 @@ TABLES = (
     Table("quality", ("quality.json",), quality_tables),
     Table("grammar", ("grammar.json",), grammar_table),
     Table("recheck_stories", ("recheck_stories.json",), recheck_table),
+    Table("flops", ("ttft_flops_4k.json",), flops_table),
+    Table("multiturn", ("multiturn.json",), multiturn_table),
 )
-PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png")
+PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png",
+         "ttft_flops_4k.png")
 
 
 def render_block(table: Table, root: Path = ROOT) -> str:

@@ -263,13 +263,17 @@ def plot(result: dict[str, Any], path: str) -> None:
     turns = [p["turn"] for p in pt]
     names = list(pt[0]["kvboost"]) if pt else []
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax.plot(turns, [p["hf_ttft_s"] for p in pt], marker="o", label="HF full prefill")
-    ax.plot(turns, [p["apc_ttft_s"] for p in pt], marker="o", label="exact prefix reuse (APC)")
-    bx.plot(turns, [p["apc_hit"] for p in pt], marker="o", label="APC")
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    c = next(colors)
+    ax.plot(turns, [p["hf_ttft_s"] for p in pt], marker="o", color=c, label="HF full prefill")
+    c = next(colors)  # one colour per method on both panels
+    ax.plot(turns, [p["apc_ttft_s"] for p in pt], marker="o", color=c, label="exact prefix reuse (APC)")
+    bx.plot(turns, [p["apc_hit"] for p in pt], marker="o", color=c, label="APC")
     for name in names:
-        ax.plot(turns, [p["kvboost"][name]["ttft_s"] for p in pt], marker="o", label=f"kvboost {name}")
-        bx.plot(turns, [p["kvboost"][name]["hit"] for p in pt], marker="o", label=f"kvboost {name}")
-        bx.plot(turns, [p["kvboost"][name]["exact"] for p in pt], marker=".", linestyle=":",
+        c = next(colors)
+        ax.plot(turns, [p["kvboost"][name]["ttft_s"] for p in pt], marker="o", color=c, label=f"kvboost {name}")
+        bx.plot(turns, [p["kvboost"][name]["hit"] for p in pt], marker="o", color=c, label=f"kvboost {name}")
+        bx.plot(turns, [p["kvboost"][name]["exact"] for p in pt], marker=".", linestyle=":", color=c,
                 label=f"kvboost {name}, exact")
     ax.set_xlabel("turn (new documents on turns " + ", ".join(map(str, result["retrieve_turns"])) + ")")
     ax.set_ylabel("TTFT, median over conversations (s)")
