@@ -15,9 +15,11 @@ with at most one step).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +30,8 @@ from kvboost_core.segments import TokenizedSegment
 
 log = logging.getLogger(__name__)
 
-STEP_TOKENS = 512  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
+STEP_TOKENS = 512
+EXIT_WAIT_S = 60.0  # at interpreter exit: how long to let a running step finish (a step is about a second)  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,7 @@ class Backfiller:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvboost-backfill", daemon=True)
                 self._thread.start()
+                _LIVE.add(self)
             self._cond.notify_all()
 
     @contextmanager
@@ -171,11 +175,15 @@ class Backfiller:
         with self._cond:
             return len(self._pending) + int(self._running)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Drop pending jobs and stop the worker after its current step (waiting up to ``timeout`` for it)."""
         with self._cond:
             self._closed = True
             self._pending.clear()
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _idle_step(self) -> bool:
         """Wait until no request is in flight; False when closed."""
@@ -204,3 +212,14 @@ class Backfiller:
 
     def _run(self, job: BackfillJob) -> BackfillResult:
         return run_job(job, self._run_step, step_tokens=self._step_tokens, may_continue=self._idle_step)
+
+
+# A daemon thread still inside torch when the interpreter finalizes aborts the process ("terminate called without
+# an active exception"): at exit every worker is closed and its running step awaited.
+_LIVE: weakref.WeakSet[Backfiller] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for bf in list(_LIVE):
+        bf.close(EXIT_WAIT_S)

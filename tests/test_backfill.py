@@ -155,3 +155,24 @@ def test_worker_survives_a_failing_job(caplog):
     bf.close()
     bf.submit(BackfillJob(token_ids=(2,), chunks=(Chunk(0, 1, 0),)))
     assert bf.pending == 0
+
+
+def test_exit_closes_workers_and_waits_for_the_running_step():
+    """A daemon thread left inside torch at interpreter exit aborts the process: the atexit hook must stop every
+    worker after its running step."""
+    from kvboost_core import backfill
+
+    started, finished = threading.Event(), threading.Event()
+
+    def step(job, end):
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+        return 0, end
+
+    bf = Backfiller(step)
+    bf.submit(BackfillJob(token_ids=(1, 2), chunks=(Chunk(0, 1, 0), Chunk(1, 2, 0))))
+    assert started.wait(10)
+    backfill._close_all()
+    assert finished.is_set() and bf._thread is not None and not bf._thread.is_alive()
+    assert bf.pending == 0
