@@ -31,6 +31,7 @@ from kvboost_core.segments import TokenizedSegment
 log = logging.getLogger(__name__)
 
 STEP_TOKENS = 512
+FOLLOW_UP_WAIT_S = 120.0  # how long a follow-up waits for its history's backfill before it re-places instead
 EXIT_WAIT_S = 60.0  # at interpreter exit: how long to let a running step finish (a step is about a second)  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
 
 
@@ -40,6 +41,12 @@ class BackfillJob:
 
     token_ids: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    prompt_len: int = -1  # tokens of the prompt it was generated from (-1: all of token_ids)
+
+    def continued_by(self, ids: Sequence[int]) -> bool:
+        """Is ``ids`` a later turn of this conversation (this job's prompt followed by more)?"""
+        n = len(self.token_ids) if self.prompt_len < 0 else self.prompt_len
+        return len(ids) > n and tuple(ids[:n]) == self.token_ids[:n]
 
     def __post_init__(self) -> None:
         if not self.chunks or self.chunks[0].start != 0 or self.chunks[-1].end != len(self.token_ids):
@@ -78,7 +85,7 @@ def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chun
         head = [c for c in chunks if c.segment != len(segments) - 1]
         tail_start, tail_ids, seg_index = last.start, [*last.token_ids, *gen], len(segments) - 1
     tail = [Chunk(tail_start + a, tail_start + b, seg_index) for a, b in spans_of(tail_ids)] if tail_ids else []
-    return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(head + tail))
+    return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(head + tail), prompt_len=len(ids))
 
 
 def step_ends(chunks: Sequence[Chunk], step_tokens: int) -> list[int]:
@@ -128,7 +135,7 @@ class Backfiller:
         self._pending: deque[BackfillJob] = deque(maxlen=max_pending)
         self._cond = threading.Condition()
         self._busy = 0  # requests in flight
-        self._running = False  # a job is being worked on
+        self._running: BackfillJob | None = None  # the job being worked on
         self._closed = False
         self._thread: threading.Thread | None = None
         self.results: deque[BackfillResult] = deque(maxlen=64)  # the latest, for stats and benchmarks
@@ -163,9 +170,22 @@ class Backfiller:
         """Block until every submitted job is done; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._running:
+            while self._pending or self._running is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_for(self, ids: Sequence[int], timeout: float) -> bool:
+        """Block while a pending or running job is an earlier turn of ``ids`` (up to ``timeout`` s), so a quick
+        follow-up gets the exact history rather than an answer that depends on the backfill's timing. False on
+        timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(j.continued_by(ids) for j in (*self._pending, self._running) if j is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
                 self._cond.wait(left)
         return True
@@ -173,7 +193,7 @@ class Backfiller:
     @property
     def pending(self) -> int:
         with self._cond:
-            return len(self._pending) + int(self._running)
+            return len(self._pending) + int(self._running is not None)
 
     def close(self, timeout: float | None = None) -> None:
         """Drop pending jobs and stop the worker after its current step (waiting up to ``timeout`` for it)."""
@@ -200,14 +220,14 @@ class Backfiller:
                 if self._closed:
                     return
                 job = self._pending.popleft()
-                self._running = True
+                self._running = job
             try:
                 self.results.append(self._run(job))
             except Exception:  # a failed job loses only its own speed-up: never the worker or a request
                 log.warning("kvboost: a backfill job failed; its conversation is served without it", exc_info=True)
             finally:
                 with self._cond:
-                    self._running = False
+                    self._running = None
                     self._cond.notify_all()
 
     def _run(self, job: BackfillJob) -> BackfillResult:

@@ -30,7 +30,14 @@ from kvboost_core.assembly import (
 )
 from kvboost_core.autocalib import FirstUse, load_cached
 from kvboost_core.autocalib import apply as apply_calibration
-from kvboost_core.backfill import Backfiller, BackfillJob, BackfillResult, conversation_job, run_job
+from kvboost_core.backfill import (
+    FOLLOW_UP_WAIT_S,
+    Backfiller,
+    BackfillJob,
+    BackfillResult,
+    conversation_job,
+    run_job,
+)
 from kvboost_core.chunking import boundary_predicate, chunk_spans
 from kvboost_core.config import (
     EngineConfig,
@@ -587,6 +594,8 @@ class KVEngine:
              query_tokens: int | None = None, recheck_layer: int | None = None,
              recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
+        if self.config.backfill:  # a follow-up of a turn still being backfilled waits for its exact history
+            self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
         with self._backfill.request():  # no backfill step starts while this request runs
             yield from self._run_request(prompt, params, holder, t0, repair, recompute_ratio, select, check_layer,
                                          add_special_tokens, store_prefix, reuse_repaired, recompute_mass,

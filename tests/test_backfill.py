@@ -176,3 +176,34 @@ def test_exit_closes_workers_and_waits_for_the_running_step():
     backfill._close_all()
     assert finished.is_set() and bf._thread is not None and not bf._thread.is_alive()
     assert bf.pending == 0
+
+
+def test_quick_follow_up_waits_for_its_history(tiny_llama, tokenizer):
+    """A follow-up sent before its history's backfill has finished waits for it: its answer does not depend on
+    the backfill's timing."""
+    eng = _warmed(tiny_llama, tokenizer, backfill=True, repair="cacheblend", recompute_ratio=0.3)
+    slow_step = eng._backfill._run_step
+
+    def step(job, end):
+        time.sleep(0.5)  # a slow machine: the follow-up arrives while the job runs
+        return slow_step(job, end)
+
+    eng._backfill._run_step = step
+    first = eng.generate(_turn1(eng), max_new_tokens=6)
+    turn2 = _turn2(eng, first.token_ids)
+    after = eng.generate(turn2, max_new_tokens=1, store_prefix=False)  # no wait_backfill()
+    assert after.stats["reused_exact"] == len(first.prompt_token_ids) + len(first.token_ids)
+    assert after.stats["reused_approx"] == 0
+
+
+def test_wait_for_times_out_and_ignores_other_conversations():
+    release = threading.Event()
+    bf = Backfiller(lambda job, end: (release.wait(10), (0, end))[1])
+    job = BackfillJob(token_ids=(1, 2, 3, 4), chunks=(Chunk(0, 4, 0),), prompt_len=2)
+    bf.submit(job)
+    assert job.continued_by([1, 2, 9]) and not job.continued_by([1, 2]) and not job.continued_by([7, 2, 9])
+    assert bf.wait_for([7, 8, 9], timeout=5)  # another conversation: no wait
+    t0 = time.monotonic()
+    assert not bf.wait_for([1, 2, 3, 4, 5], timeout=0.2) and time.monotonic() - t0 >= 0.2
+    release.set()
+    assert bf.wait_for([1, 2, 3, 4, 5], timeout=10)
