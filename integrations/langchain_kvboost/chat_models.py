@@ -34,7 +34,7 @@ from langchain_core.runnables.config import run_in_executor
 from pydantic import Field, model_validator
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
+from kvboost_rag.reports import call_info, openai_finish_reason, usage_counts
 from kvboost_rag.toolcalls import CallTextStream, chat_inputs
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread, field_spellings
 from langchain_kvboost.llms import KVBoostLLM, _keeper
@@ -88,7 +88,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     ``response_metadata["kvboost"]`` the call's figures (reuse, documents, ``documents_not_warmed``, the
     engine's own ``engine_finish_reason``), and ``usage_metadata["input_token_details"]["cache_read"]`` the
     prompt tokens whose KV was an exact cache hit; re-placed document KV used without recompute is
-    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.adapter.usage_counts`).
+    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.reports.usage_counts`).
     """
 
     streaming: bool = Field(default=False, description="Stream by default when invoked (LangChain convention).")

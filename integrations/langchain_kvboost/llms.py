@@ -15,13 +15,13 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.adapter import call_info, openai_finish_reason
+from kvboost_rag.reports import call_info, openai_finish_reason
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 
 
 def _generation_info(result: GenerationResult | None) -> dict[str, Any]:
     """A completion's generation_info: ``finish_reason`` in OpenAI's words ("stop"/"length"), then the
-    call's own figures (:func:`kvboost_rag.adapter.call_info`, the engine's reason as
+    call's own figures (:func:`kvboost_rag.reports.call_info`, the engine's reason as
     ``engine_finish_reason``)."""
     return {"finish_reason": openai_finish_reason(result), **call_info(result)}
 
