@@ -30,10 +30,10 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
-from langchain_core.runnables.config import run_in_executor
 from pydantic import Field, model_validator
 
 from kvboost_core.results import GenerationResult
+from kvboost_rag.aio import run_blocking
 from kvboost_rag.reports import call_info, openai_finish_reason, usage_counts
 from kvboost_rag.toolcalls import CallTextStream, chat_inputs
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread, field_spellings
@@ -256,8 +256,8 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return await run_in_executor(None, self._generate, messages, stop,
-                                     run_manager.get_sync() if run_manager else None, **kwargs)
+        return await run_blocking(self._generate, messages, stop,
+                                  run_manager.get_sync() if run_manager else None, **kwargs)
 
     @staticmethod
     def _last_chunk(msg: AIMessage, content: str | None = None) -> ChatGenerationChunk:
