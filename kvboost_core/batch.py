@@ -200,11 +200,16 @@ class BatchedDecoder:
         return slot
 
     @torch.inference_mode()
-    def remove(self, slot: BatchSlot) -> None:
-        """Free ``slot``'s row; the last row moves into it so active rows stay contiguous."""
+    def remove(self, slot: BatchSlot, *, scrub: bool = False) -> None:
+        """Free ``slot``'s row; the last row moves into it so active rows stay contiguous. ``scrub``: zero the
+        row first, for a request whose KV may hold NaN/inf (its logits were bad): masked slots of a shorter row
+        that later sits there would still see it (0 * NaN), when attention spans the batch's longest row."""
         if not slot.active:
             return
         slot.active = False
+        if scrub:
+            for buf in (*self._keys, *self._values):
+                buf[slot.row].zero_()  # (H, capacity, D)
         last = self._slots.pop()
         if last is not slot:
             n = last.length

@@ -32,6 +32,12 @@ from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
 from kvboost_rag.options import check_engine_kwargs, load_device, model_kwargs_of
 from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, assemble, doc_key
+from kvboost_rag.reports import (  # noqa: F401  (re-exported: the per-call reports live apart, torch-free)
+    CALL_INFO_KEYS,
+    call_info,
+    openai_finish_reason,
+    usage_counts,
+)
 from kvboost_rag.toolcalls import chat_inputs
 from kvboost_rag.warming import WarmReport, warm_documents
 
@@ -306,56 +312,6 @@ def load_engine(model_id: str, *, device: Any = None, dtype: Any = None, device_
     extra = {"tokenizer_name": tokenizer_name} if tokenizer_name not in (None, model_id) else {}
     return KVEngine.from_pretrained(model_id, device=target, dtype=dtype, model_kwargs=kwargs or None, **extra,
                                     **engine_kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------- per-call reports
-# What the framework skins report of each call: LangChain's response_metadata["kvboost"] / generation_info,
-# LlamaIndex's additional_kwargs["kvboost"]. The call's own figures, never the adapter's last_stats (calls may
-# run concurrently).
-CALL_INFO_KEYS = ("ttft_s", "reuse_ratio", "reused_exact", "reused_approx", "reused_repaired", "recomputed",
-                  "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_recomputed", "documents",
-                  "documents_not_warmed", "prompt_tokens", "output_tokens", "mode")
-
-
-def call_info(result: GenerationResult | None) -> dict[str, Any]:
-    """The call's figures (:data:`CALL_INFO_KEYS` of its stats); ``engine_finish_reason`` is the engine's own
-    reason: "eos", "stop" (a stop string, a stop token, or a constrained value completed) or "length"."""
-    if result is None:
-        return {}
-    stats = result.stats or {}
-    info = {k: stats[k] for k in CALL_INFO_KEYS if k in stats}
-    info["engine_finish_reason"] = result.finish_reason
-    return info
-
-
-def openai_finish_reason(result: GenerationResult | None, tool_calls: bool = False) -> str | None:
-    """The engine's finish reason in OpenAI's words: "tool_calls" when the reply holds parsed tool calls,
-    "length" when the token budget ran out, else "stop" (an end-of-sequence token or a stop string)."""
-    if result is None:
-        return None
-    if tool_calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
-
-
-def usage_counts(result: GenerationResult | None) -> dict[str, int]:
-    """Token counts of one call: ``input_tokens``, ``output_tokens``, ``total_tokens``, and of the prompt's
-    tokens those whose KV was read from the cache and used as is (not recomputed):
-
-    - ``cache_read``: exact reuse only (a prefix KV hit, identical to computing it), the meaning OpenAI and
-      LangChain give cached tokens: a reply with them equals one without.
-    - ``cache_read_approximate``: re-placed document KV (and KV of an earlier repaired prefill) kept without
-      recompute. It saves the same compute but is an approximation of the full prefill, so it is never
-      counted in ``cache_read``; tokens repair recomputed are in neither.
-    """
-    if result is None:
-        return {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "cache_read": 0,
-                "cache_read_approximate": 0}
-    stats = result.stats or {}
-    n_in, n_out = len(result.prompt_token_ids), len(result.token_ids)
-    approx = int(stats.get("reused_approx", 0)) + int(stats.get("reused_repaired", 0))
-    return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
-            "cache_read": int(stats.get("reused_exact", 0)), "cache_read_approximate": approx}
 
 
 class StopOnTokens:

@@ -47,7 +47,7 @@ def test_int4_prefix_on_a_shared_disk_is_never_served_to_a_dense_engine(tiny_lla
     first = int4.prefill(prompt)
     assert first.stats["reused_exact"] == 0
     disk = next(t for t in int4.store.tiers if type(t).__name__ == "DiskStore")
-    stored = [disk.get(k) for k in list(disk._index)]
+    stored = [disk.get(k) for k in list(disk._index.entries)]
     assert any(isinstance(b.payload, QuantPayload) for b in stored if b is not None)  # int4 entries exist
 
     dense = engine_for(tiny_llama, tokenizer, store=f"disk:{tmp_path}")  # kv_bits=None, fresh memory tier

@@ -5,13 +5,10 @@ No engine logic lives here: every call goes to ``kvboost_rag.KVBoostRAG``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from kvboost_core.engine import KVEngine
-from kvboost_rag import KVBoostRAG, WarmReport
-from kvboost_rag.adapter import load_engine
 from kvboost_rag.aio import aiter_in_thread
 from kvboost_rag.options import (
     CALL_KEYS,
@@ -21,6 +18,9 @@ from kvboost_rag.options import (
     split_model_kwargs,
 )
 from langchain_kvboost._retrieval import watch_retrievals
+
+if TYPE_CHECKING:  # the engine (torch, transformers) loads when one is built, not on import langchain_kvboost
+    from kvboost_rag import KVBoostRAG, WarmReport
 
 # Keyword arguments LangChain itself may hand to _generate/_stream alongside the user's per-call options.
 _FRAMEWORK_KEYS = frozenset({"run_manager", "callbacks", "tags", "metadata", "run_name", "run_id",
@@ -72,10 +72,13 @@ class KVBoostFields(BaseModel):
                                                        "the call that used them, so the next query reuses "
                                                        "their KV (misses are logged either way).")
 
-    _rag: KVBoostRAG | None = PrivateAttr(default=None)
+    _rag: Any = PrivateAttr(default=None)  # the KVBoostRAG calls go to (set by the validator)
 
     @model_validator(mode="after")
     def _build_adapter(self) -> KVBoostFields:
+        from kvboost_core.engine import KVEngine
+        from kvboost_rag.adapter import KVBoostRAG
+
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
             self._rag, self.engine = engine, engine.engine
@@ -107,6 +110,8 @@ class KVBoostFields(BaseModel):
         are checked before the weights load. ``device`` as HF pipelines take it (-1: the CPU, n: cuda:n),
         ``device_map`` naming one device (or "auto"), ``model_kwargs`` over kvboost's loading defaults
         (``dtype``, ``attn_implementation``): see :func:`kvboost_rag.adapter.load_engine`."""
+        from kvboost_rag.adapter import load_engine
+
         mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_tokens")
         fields, engine_kw = split_model_kwargs(kwargs, field_spellings(cls))
         fields = {**mapped, **fields}  # explicit fields win over pipeline_kwargs

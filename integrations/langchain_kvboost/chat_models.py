@@ -30,11 +30,11 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
-from langchain_core.runnables.config import run_in_executor
 from pydantic import Field, model_validator
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
+from kvboost_rag.aio import run_blocking
+from kvboost_rag.reports import call_info, openai_finish_reason, usage_counts
 from kvboost_rag.toolcalls import CallTextStream, chat_inputs
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread, field_spellings
 from langchain_kvboost.llms import KVBoostLLM, _keeper
@@ -88,7 +88,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     ``response_metadata["kvboost"]`` the call's figures (reuse, documents, ``documents_not_warmed``, the
     engine's own ``engine_finish_reason``), and ``usage_metadata["input_token_details"]["cache_read"]`` the
     prompt tokens whose KV was an exact cache hit; re-placed document KV used without recompute is
-    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.adapter.usage_counts`).
+    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.reports.usage_counts`).
     """
 
     streaming: bool = Field(default=False, description="Stream by default when invoked (LangChain convention).")
@@ -256,8 +256,8 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return await run_in_executor(None, self._generate, messages, stop,
-                                     run_manager.get_sync() if run_manager else None, **kwargs)
+        return await run_blocking(self._generate, messages, stop,
+                                  run_manager.get_sync() if run_manager else None, **kwargs)
 
     @staticmethod
     def _last_chunk(msg: AIMessage, content: str | None = None) -> ChatGenerationChunk:

@@ -12,16 +12,16 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from langchain_core.runnables.config import run_in_executor
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.adapter import call_info, openai_finish_reason
+from kvboost_rag.aio import run_blocking
+from kvboost_rag.reports import call_info, openai_finish_reason
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 
 
 def _generation_info(result: GenerationResult | None) -> dict[str, Any]:
     """A completion's generation_info: ``finish_reason`` in OpenAI's words ("stop"/"length"), then the
-    call's own figures (:func:`kvboost_rag.adapter.call_info`, the engine's reason as
+    call's own figures (:func:`kvboost_rag.reports.call_info`, the engine's reason as
     ``engine_finish_reason``)."""
     return {"finish_reason": openai_finish_reason(result), **call_info(result)}
 
@@ -67,8 +67,8 @@ class KVBoostLLM(KVBoostFields, BaseLLM):
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
         # Generation is blocking compute: run it in a worker thread so the event loop stays free.
-        return await run_in_executor(None, self._generate, prompts, stop,
-                                     run_manager.get_sync() if run_manager else None, **kwargs)
+        return await run_blocking(self._generate, prompts, stop,
+                                  run_manager.get_sync() if run_manager else None, **kwargs)
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:

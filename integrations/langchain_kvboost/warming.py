@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
-from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
 
-from kvboost_rag import KVBoostRAG, WarmReport
+from kvboost_rag.aio import run_blocking
 from kvboost_rag.warming import resolve_progress
+
+if TYPE_CHECKING:
+    from kvboost_rag import WarmReport
 
 
 def _warmer(target: Any) -> Any:
     """Anything with ``warm_documents``: KVBoostLLM, ChatKVBoost or a KVBoostRAG."""
-    if isinstance(target, KVBoostRAG) or hasattr(target, "warm_documents"):
+    if hasattr(target, "warm_documents"):  # duck-typed: importing KVBoostRAG here would load torch
         return target
     raise TypeError(f"expected a KVBoostLLM, ChatKVBoost or KVBoostRAG to warm with, got {type(target).__name__}")
 
@@ -36,7 +38,7 @@ class KVWarmTransformer(BaseDocumentTransformer):
         return documents
 
     async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
-        return await run_in_executor(None, self.transform_documents, documents, **kwargs)
+        return await run_blocking(self.transform_documents, documents, **kwargs)
 
 
 def add_documents_warmed(vectorstore: VectorStore, docs: Sequence[Document], llm: Any, *, batch_size: int = 8,

@@ -4,7 +4,7 @@ Layout: ``root/<fingerprint>/<namespace>/<key hex[:2]>/<key hex>[.<parent key he
 pair owns one subdirectory: start-up, ``clear()``, eviction and clean-up never look outside it, so tenants and
 models can share a root. The 256 shards keep directories small. The parent link is part of the file name so
 that the index (sizes, access times, parent links) is rebuilt at start from a directory listing and one
-``lstat`` per file, without opening any entry.
+``lstat`` per file, without opening any entry (the bookkeeping: :mod:`.disk_index`).
 
 Trust: the store's directory is opened once, component by component without following symlinks, and every
 shard and file below it is reached through directory descriptors (:mod:`.safe_io`): a model, namespace or shard
@@ -30,7 +30,6 @@ process's view of the directory.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import re
@@ -39,12 +38,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock, KVGeometry
+from kvboost_core.store.disk_index import DiskEntry, DiskIndex
 from kvboost_core.store.safe_io import open_store_dir, pid_alive, read_entry_file, subdir
 from kvboost_core.store.serialize import CorruptEntry, ForeignEntry, dumps, entry_cap, parse_entry
 from kvboost_core.store.trust import DropLog, resolve_secret, validate_fingerprint, validate_namespace
@@ -57,15 +55,6 @@ _TEMP = re.compile(r"\.([0-9a-f]{32})\.(\d+)\.[0-9a-f]+\.tmp")
 _STALE_TEMP_S = 3600.0  # a temp file this old is abandoned even if its writer's pid was reused
 _SETTLE_NS = 50_000_000  # a listing this soon after the shard's mtime may have missed a same-tick change
 DEFAULT_MAX_ENTRY_BYTES = 1 << 30
-
-
-@dataclass(slots=True)
-class _DiskEntry:
-    name: str
-    nbytes: int
-    last_access: float  # wall clock: mtime at scan, then time of last get/put
-    parent: CacheKey | None
-    seq: int = 0  # the eviction heap's live record for this entry (older records are stale)
 
 
 def _entry_name(key: CacheKey, parent: CacheKey | None) -> str:
@@ -91,13 +80,8 @@ class DiskStore:
         self._max_bytes = int(max_bytes)
         self._max_entry_bytes = min(int(max_entry_bytes), entry_cap(geometry) if geometry else max_entry_bytes)
         self._fsync = fsync
-        self._index: dict[CacheKey, _DiskEntry] = {}
-        self._shard_keys: defaultdict[str, set[CacheKey]] = defaultdict(set)
+        self._index = DiskIndex()  # sizes, parent links, LRU order: rebuilt from the listing, no file opened
         self._listed: dict[str, tuple[int, int]] = {}  # shard -> (its mtime_ns, wall ns) when last listed
-        self._children: defaultdict[CacheKey, set[CacheKey]] = defaultdict(set)
-        self._heap: list[tuple[float, int, CacheKey]] = []
-        self._seq = 0
-        self._bytes = 0
         self._counters = {"hits": 0, "misses": 0, "corrupt": 0, "skipped": 0, "evictions": 0, "write_errors": 0}
         self._lock = threading.RLock()
         self._log_drop = DropLog(logger, "disk")
@@ -105,7 +89,7 @@ class DiskStore:
             for e in os.scandir(self._fd):
                 if _SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
                     self._list_shard(e.name, bulk=True)
-            heapq.heapify(self._heap)  # once, not one push per file
+            self._index.heapify()  # once, not one push per file
             self._evict_for(0)  # the budget may have shrunk since the last run
 
     @property
@@ -137,7 +121,7 @@ class DiskStore:
                        bulk: bool) -> None:
         self._listed[shard] = (mtime, time.time_ns())
         now, seen = time.time(), set()
-        keys = self._shard_keys[shard]
+        keys = self._index.shard_keys(shard)
         for e in listing:
             m = _ENTRY.fullmatch(e.name)
             if m is None:
@@ -162,20 +146,14 @@ class DiskStore:
             if st.st_size > self._max_entry_bytes:
                 continue  # over this reader's cap, maybe another engine's (longer chunks): neither read nor deleted
             parent = CacheKey(bytes.fromhex(m.group(2))) if m.group(2) else None
+            entry = DiskEntry(e.name, st.st_size, st.st_mtime, parent)
             if known is not None or not bulk:
-                self._index_add(key, _DiskEntry(e.name, st.st_size, st.st_mtime, parent))
-                continue
-            # start-up fast path (240k files): the plain bookkeeping of _index_add, inlined
-            self._seq += 1
-            self._index[key] = _DiskEntry(e.name, st.st_size, st.st_mtime, parent, self._seq)
-            keys.add(key)
-            self._bytes += st.st_size
-            if parent is not None:
-                self._children[parent].add(key)
-            self._heap.append((st.st_mtime, self._seq, key))
+                self._index.add(key, entry)
+            else:  # start-up fast path (240k files): heap records appended, heapified once by the caller
+                self._index.add_unordered(key, entry)
         if not bulk:  # a re-listing: drop what someone else deleted
             for key in keys - seen:
-                self._index_drop(key)
+                self._index.drop(key)
 
     def _clean_temp(self, e: os.DirEntry[str], fd: int, now: float) -> None:
         m = _TEMP.fullmatch(e.name)
@@ -187,7 +165,7 @@ class DiskStore:
         except OSError:
             pass  # already gone, or not ours to remove
 
-    def _refresh(self, key: CacheKey) -> _DiskEntry | None:
+    def _refresh(self, key: CacheKey) -> DiskEntry | None:
         """Index entry for ``key``, re-listing its shard first when the shard changed since its last listing."""
         entry = self._index.get(key)
         if entry is not None:
@@ -228,7 +206,7 @@ class DiskStore:
         except FileNotFoundError:
             with self._lock:
                 if self._index.get(key) is entry:
-                    self._index_drop(key)
+                    self._index.drop(key)
                 self._counters["misses"] += 1
             return None
         except ForeignEntry as e:
@@ -257,7 +235,7 @@ class DiskStore:
 
     def children(self, parent: CacheKey) -> list[CacheKey]:
         with self._lock:
-            return list(self._children.get(parent, ()))
+            return self._index.children(parent)
 
     # -- writes --------------------------------------------------------------------------------------------
     def put(self, key: CacheKey, block: KVBlock, *, pin: bool = False) -> bool:
@@ -287,7 +265,7 @@ class DiskStore:
                     old = self._index.get(key)
                     if old is not None and old.name != name:  # same key, other parent link: one file per key
                         self._unlink(old.name)
-                    self._index_add(key, _DiskEntry(name, len(data), time.time(), block.parent))
+                    self._index.add(key, DiskEntry(name, len(data), time.time(), block.parent))
                 return True
             except OSError as e:
                 logger.warning("kvboost disk tier: write of %s failed: %s", path, e)
@@ -322,7 +300,7 @@ class DiskStore:
             entry = self._refresh(key)
             if entry is None:
                 return False
-            self._index_drop(key)
+            self._index.drop(key)
             return self._unlink(entry.name) or True
 
     def clear(self) -> None:
@@ -336,11 +314,7 @@ class DiskStore:
                         if _ENTRY.fullmatch(e.name):
                             self._unlink(e.name, fd)
             self._index.clear()
-            self._shard_keys.clear()
             self._listed.clear()
-            self._children.clear()
-            self._heap.clear()
-            self._bytes = 0
 
     def resize(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -351,65 +325,18 @@ class DiskStore:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self._max_bytes,
+            return {"entries": len(self._index), "bytes": self._index.nbytes, "max_bytes": self._max_bytes,
                     **self._counters}
 
     # -- internals (lock held) -----------------------------------------------------------------------------
-    def _touch(self, key: CacheKey, entry: _DiskEntry) -> None:
-        entry.last_access = time.time()
-        self._push(key, entry)
-
-    def _push(self, key: CacheKey, entry: _DiskEntry) -> None:
-        # Lazy deletion: a new record supersedes the old one, which is skipped when popped. Rebuild the heap
-        # when stale records outnumber live ones, so it stays O(entries).
-        self._seq += 1
-        entry.seq = self._seq
-        heapq.heappush(self._heap, (entry.last_access, entry.seq, key))
-        if len(self._heap) > 2 * len(self._index) + 1024:
-            self._heap = [(e.last_access, e.seq, k) for k, e in self._index.items()]
-            heapq.heapify(self._heap)
-
-    def _index_add(self, key: CacheKey, entry: _DiskEntry) -> None:
-        self._index_drop(key)
-        self._index[key] = entry
-        self._shard_keys[key.hex()[:2]].add(key)
-        self._bytes += entry.nbytes
-        if entry.parent is not None:
-            self._children[entry.parent].add(key)
-        self._push(key, entry)
-
-    def _index_drop(self, key: CacheKey) -> bool:
-        entry = self._index.pop(key, None)
-        if entry is None:
-            return False
-        self._shard_keys[key.hex()[:2]].discard(key)
-        self._bytes -= entry.nbytes
-        if entry.parent is not None:
-            kids = self._children.get(entry.parent)
-            if kids is not None:
-                kids.discard(key)
-                if not kids:
-                    del self._children[entry.parent]
-        return True
+    def _touch(self, key: CacheKey, entry: DiskEntry) -> None:
+        self._index.touch(key, entry, time.time())
 
     def _evict_for(self, size: int, *, replacing: CacheKey | None = None) -> None:
         """Delete least recently used files until ``size`` more bytes fit: O(log n) per eviction."""
-        prev = self._index.get(replacing) if replacing is not None else None
-        old = prev.nbytes if prev is not None else 0
-        spared: list[tuple[float, int, CacheKey]] = []
-        while self._heap and self._bytes - old + size > self._max_bytes:
-            rec = heapq.heappop(self._heap)
-            entry = self._index.get(rec[2])
-            if entry is None or entry.seq != rec[1]:
-                continue  # stale record
-            if rec[2] == replacing:
-                spared.append(rec)
-                continue
-            self._index_drop(rec[2])
+        for entry in self._index.evict(size, self._max_bytes, replacing=replacing):
             self._counters["evictions"] += 1
             self._unlink(entry.name)
-        for rec in spared:
-            heapq.heappush(self._heap, rec)
 
     def _discard(self, key: CacheKey, name: str, ino: int | None, reason: str) -> None:
         """Delete a bad entry — unless it was replaced by a fresh file since we read it (``ino`` differs)."""
@@ -418,7 +345,7 @@ class DiskStore:
             self._counters["misses"] += 1
             entry = self._index.get(key)
             if entry is not None and entry.name == name:
-                self._index_drop(key)
+                self._index.drop(key)
             with subdir(self._fd, name[:2]) as fd:
                 if fd is not None:
                     try:

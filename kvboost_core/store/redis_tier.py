@@ -39,13 +39,25 @@ import logging
 import re
 import threading
 import time
-import uuid
 import warnings
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvboost_core.keys import CacheKey
 from kvboost_core.store.base import KVBlock, KVGeometry
+from kvboost_core.store.redis_conn import (  # noqa: F401  (mask_url ... split_ttl: re-exported, their old home)
+    DEL_IF_EQUAL,
+    GET_BOUNDED,
+    REQUIRED_COMMANDS,
+    glob_escape,
+    import_redis,
+    mask_url,
+    no_permission,
+    probe_permissions,
+    scrub,
+    split_ttl,
+    url_secrets,
+    wrong_type,
+)
 from kvboost_core.store.serialize import CorruptEntry, ForeignEntry, dumps, entry_cap, parse_entry
 from kvboost_core.store.trust import (
     SECRET_ENV,
@@ -56,99 +68,13 @@ from kvboost_core.store.trust import (
 )
 
 logger = logging.getLogger("kvboost")
-_GLOB_SPECIAL = frozenset("*?[]\\")
 _warned_no_secret = False
 _HEX_KEY = re.compile(rb"[0-9a-f]{32}")
-
-
-REQUIRED_COMMANDS = ("GET", "SET", "DEL", "EXISTS", "STRLEN", "SADD", "SREM", "SMEMBERS", "PEXPIRE", "SCAN", "EVAL",
-                     "EVALSHA", "SCRIPT LOAD", "MULTI", "EXEC")
 
 
 class RedisClearError(RuntimeError):
     """``RedisStore.clear()`` could not delete this namespace's keys (the server is unreachable, or the user
     lacks a command): some or all of them remain."""
-
-
-def _wrong_type(err: BaseException) -> bool:
-    return "WRONGTYPE" in str(err)  # a pipeline prefixes "Command # n (...) of pipeline caused error: "
-
-
-def _no_permission(err: BaseException) -> bool:
-    # NOPERM for a command sent directly; inside a Lua script Redis answers "can't run this command"
-    text = str(err)
-    return "no permissions to run" in text or "NOPERM" in text or "can't run this command" in text
-
-
-def glob_escape(literal: str) -> str:
-    """``literal`` as a Redis MATCH pattern that matches exactly itself (``*?[]\\`` escaped)."""
-    return "".join("\\" + c if c in _GLOB_SPECIAL else c for c in literal)
-
-
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError as e:  # an optional extra
-        raise ImportError("the Redis tier needs redis-py: pip install kvboost-rag[redis]") from e
-    return redis
-
-
-_SECRET_PARAMS = frozenset({"password", "username", "user", "pass"})
-
-
-def mask_url(url: str) -> str:
-    """``url`` without its credentials, for messages: ``redis://u:secret@h:6379/0?password=x`` ->
-    ``redis://***@h:6379/0?password=***``. Anything unparseable is not echoed at all."""
-    try:
-        parts = urlsplit(url)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-    except (ValueError, TypeError, AttributeError):
-        return "<redis url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    masked = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in query]
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(masked, safe="*")))
-
-
-def url_secrets(url: str) -> list[str]:
-    """The credentials in ``url`` (password, username), to scrub from third-party error text."""
-    try:
-        parts = urlsplit(url)
-        found = [parts.password, parts.username]
-        found += [v for k, v in parse_qsl(parts.query) if k.lower() in _SECRET_PARAMS]
-    except (ValueError, TypeError, AttributeError):
-        return []
-    return sorted({s for s in found if s}, key=len, reverse=True)  # longest first: no partial leftovers
-
-
-def scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-def split_ttl(url: str) -> tuple[str, float | None]:
-    """``redis://h:p/0?ttl=3600`` -> (``redis://h:p/0``, 3600.0): ttl is ours, not a redis-py option."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query)
-    ttl = next((float(v) for k, v in query if k == "ttl"), None)
-    rest = urlencode([(k, v) for k, v in query if k != "ttl"])
-    return urlunsplit(parts._replace(query=rest)), ttl
-
-
-# GET, unless the value is over the cap: then only its length comes back (a planted 500 MB value is never
-# transferred or parsed). STRLEN on a list/set raises WRONGTYPE like GET would.
-_GET_BOUNDED = """
-local n = redis.call('STRLEN', KEYS[1])
-if n > tonumber(ARGV[1]) then return n end
-return redis.call('GET', KEYS[1])
-"""
-_DEL_IF_EQUAL = """
-local v = redis.call('GET', KEYS[1])
-if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def _warn_no_secret() -> None:
@@ -172,7 +98,7 @@ class RedisStore:
         self._secret = resolve_secret(secret)
         if self._secret is None:
             _warn_no_secret()
-        redis = _import_redis()
+        redis = import_redis()
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
         self._secrets = url_secrets(url)
         try:
@@ -193,49 +119,12 @@ class RedisStore:
         self._log_drop = DropLog(logger, "redis")
         self._geometry = geometry
         self._max_entry_bytes = min(int(max_entry_bytes), entry_cap(geometry) if geometry else max_entry_bytes)
-        self._get_bounded = self._client.register_script(_GET_BOUNDED)
+        self._get_bounded = self._client.register_script(GET_BOUNDED)
         self._denied_logged = False
         self._probe()
 
-    # -- permissions ---------------------------------------------------------------------------------------
     def _probe(self) -> None:
-        """Run every command the tier needs once, on a throwaway key under its own prefix (expires in 10 s):
-        PermissionError naming those the server refuses. An unreachable server is left to the first request,
-        which reports the outage as usual (nothing is warned or marked down here)."""
-        probe, kids = f"{self._prefix}probe:{uuid.uuid4().hex}", f"{self._prefix}children:probe"
-        c = self._client
-        steps: list[tuple[tuple[str, ...], Any]] = [
-            (("SET",), lambda: c.set(probe, b"", px=10_000)),
-            (("EXISTS",), lambda: c.exists(probe)),
-            (("SADD",), lambda: c.sadd(kids, "probe")),
-            (("PEXPIRE",), lambda: c.pexpire(kids, 10_000)),
-            (("SMEMBERS",), lambda: c.smembers(kids)),
-            (("SREM",), lambda: c.srem(kids, "probe")),
-            (("SCAN",), lambda: c.scan(0, match=glob_escape(probe), count=10)),
-            (("EVALSHA", "SCRIPT LOAD", "STRLEN", "GET"), lambda: self._get_bounded(keys=[probe], args=[1 << 20])),
-            (("EVAL", "GET"), lambda: c.eval(_DEL_IF_EQUAL, 1, probe, "0" * 40)),
-            (("MULTI", "EXEC"), lambda: c.pipeline(transaction=True).exists(probe).execute()),
-            (("DEL",), lambda: c.delete(probe, kids)),
-        ]
-        denied: list[str] = []
-        for names, run in steps:
-            try:
-                run()
-            except self._errors as e:
-                if not _no_permission(e):
-                    logger.debug("kvboost redis tier at %s: permission probe skipped (%s)", self._url,
-                                 type(e).__name__)
-                    return
-                text = str(e).lower()
-                if "can't run this command" in text:  # refused inside a Lua script: one of the script's commands
-                    shown = [n for n in names if n in ("STRLEN", "GET", "DEL")] or list(names)
-                else:  # "no permissions to run the 'eval' command"
-                    shown = [n for n in names if f"'{n.split()[0].lower()}'" in text] or list(names)
-                denied += [n for n in shown if n not in denied]
-        if denied:
-            raise PermissionError(f"kvboost redis tier at {self._url}: the Redis user may not run "
-                                  f"{', '.join(denied)}; the tier needs {', '.join(REQUIRED_COMMANDS)} on keys "
-                                  "kvboost:* (see kvboost_core.store.redis_tier)")
+        probe_permissions(self._client, self._prefix, self._get_bounded, self._errors, self._url)
 
     def _log_denied(self, op: str, err: BaseException) -> None:
         if not self._denied_logged:
@@ -248,7 +137,7 @@ class RedisStore:
         return time.monotonic() >= self._down_until
 
     def _failed(self, op: str, err: BaseException) -> None:
-        if _no_permission(err):
+        if no_permission(err):
             self._log_denied(op, err)
         with self._lock:
             self._counters["errors"] += 1
@@ -286,7 +175,7 @@ class RedisStore:
         try:
             data = self._get_bounded(keys=[self._k(key)], args=[self._max_entry_bytes])
         except self._errors as e:
-            if _wrong_type(e):  # another client stored a list/set/... there: bad data, not an outage
+            if wrong_type(e):  # another client stored a list/set/... there: bad data, not an outage
                 self._drop_key(self._k(key), "not a string value")
             else:
                 self._failed("get", e)
@@ -339,7 +228,7 @@ class RedisStore:
                 pipe.execute()
                 break
             except self._errors as e:
-                if attempt == 0 and block.parent is not None and _wrong_type(e):
+                if attempt == 0 and block.parent is not None and wrong_type(e):
                     self._drop_key(self._kids(block.parent), "children key is not a SET")
                     continue  # once more, with the bad children key gone
                 self._failed("put", e)
@@ -385,7 +274,7 @@ class RedisStore:
         if not self._available():
             return
         try:
-            self._client.eval(_DEL_IF_EQUAL, 1, self._k(key), hashlib.sha1(bad).hexdigest())
+            self._client.eval(DEL_IF_EQUAL, 1, self._k(key), hashlib.sha1(bad).hexdigest())
         except self._errors as e:
             self._failed("delete", e)
 
@@ -395,7 +284,7 @@ class RedisStore:
         try:
             raw = self._client.smembers(self._kids(parent))
         except self._errors as e:
-            if _wrong_type(e):
+            if wrong_type(e):
                 self._drop_key(self._kids(parent), "children key is not a SET")
             else:
                 self._failed("children", e)

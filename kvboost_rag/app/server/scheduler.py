@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
-from kvboost_core.decode import SamplingParams, TextStream, sample
+from kvboost_core.decode import BadLogits, SamplingParams, TextStream, sample
 from kvboost_rag.aio import thread_setting
 from kvboost_rag.app.server.protocol import APIError
 from kvboost_rag.app.server.warmjob import WarmJob
@@ -232,9 +232,17 @@ class Scheduler:
             if any(r.cancelled for r in self._pending):
                 self._pending = collections.deque(r for r in self._pending if not r.cancelled)
 
-    def _leave(self, slot: BatchSlot) -> None:
+    def _leave(self, slot: BatchSlot, scrub: bool = False) -> None:
+        """``scrub``: the row's KV may hold NaN/inf (its logits were bad); zero it before another request
+        reuses the row (see BatchedDecoder.remove)."""
         self._running.pop(slot, None)
-        self.decoder.remove(slot)
+        self.decoder.remove(slot, scrub=scrub)
+
+    def _bad_logits(self, r: GenRequest, exc: BadLogits) -> None:
+        """``r``'s logits cannot be sampled from: it gets the 500 a failing engine gives, naming why (the
+        engine's own words: NaN or every token masked; never the prompt)."""
+        log.error("request failed: %s", exc)
+        r.emit("error", APIError(500, f"the engine failed on this request: {exc}", type="server_error"))
 
     def _admit(self, r: GenRequest) -> None:
         if r.cancelled:
@@ -291,7 +299,11 @@ class Scheduler:
         n = len(res.token_ids)
         if r.params.seed is not None:
             r.generator = torch.Generator(device=res.last_logits.device).manual_seed(r.params.seed)
-        token = sample(res.last_logits, r.params, r.generator)
+        try:
+            token = sample(res.last_logits, r.params, r.generator)
+        except BadLogits as exc:  # this prompt's logits only: the batch never saw it
+            self._bad_logits(r, exc)
+            return
         cached = sum(int(res.stats.get(k, 0)) for k in ("reused_exact", "reused_block", "reused_approx"))
         ttft = time.perf_counter() - r.submitted
         r.emit("start", Started(prompt_tokens=n, cached_tokens=cached, ttft_s=ttft))
@@ -358,10 +370,20 @@ class Scheduler:
                       len(self._running))
             self._fail_running()
             return
-        finished = [s for s, r in list(self._running.items())
-                    if self._accept(r, sample(logits[s], r.params, r.generator))]
+        finished, failed = [], []
+        for s, r in list(self._running.items()):
+            try:
+                token = sample(logits[s], r.params, r.generator)
+            except BadLogits as exc:  # one row's logits (NaN, all masked): that request fails, the others go on
+                self._bad_logits(r, exc)
+                failed.append(s)
+                continue
+            if self._accept(r, token):
+                finished.append(s)
         for slot in finished:
             self._leave(slot)
+        for slot in failed:
+            self._leave(slot, scrub=True)
         now = time.perf_counter()
         self._tokens_window.append((now, len(logits)))
         if self.metrics is not None:

@@ -2,7 +2,7 @@
 ``additional_kwargs`` the token counts (``prompt_tokens``, ``completion_tokens``, ``total_tokens``, which
 llama-index's TokenCountingHandler reads), ``cached_tokens`` (prompt tokens whose KV was an exact cache hit;
 ``cached_tokens_approximate``: re-placed document KV used without recompute, never counted as cached: see
-:func:`kvboost_rag.adapter.usage_counts`), ``finish_reason`` in OpenAI's words ("stop", "length", "tool_calls")
+:func:`kvboost_rag.reports.usage_counts`), ``finish_reason`` in OpenAI's words ("stop", "length", "tool_calls")
 and ``kvboost`` (the call's reuse figures, ``documents_not_warmed`` and the engine's own
 ``engine_finish_reason``); ``raw`` keeps the engine's result. A stream reports them on its last response (an
 empty delta), once the generation is over."""
@@ -21,7 +21,7 @@ from llama_index.core.base.llms.types import (
 )
 
 from kvboost_core.results import GenerationResult
-from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
+from kvboost_rag.reports import call_info, openai_finish_reason, usage_counts
 
 
 def stats_kwargs(result: GenerationResult | None, tool_calls: bool = False) -> dict[str, Any]:
