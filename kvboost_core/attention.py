@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -36,6 +37,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 PREFIX = "kvboost|"  # registered name: this prefix + the model's own implementation ("sdpa", "eager")
 BLOCK_ROWS = 256  # query rows per block (measured on SmolLM2's layout at 4K, 1 thread: see the report in #25)
 
+# A block is cut in two where that saves at least this share of its (query, key) pairs (see _split).
+SPLIT_GAIN = 0.125
+SPLIT_MIN_PAIRS = 4096  # ... and at least this many: a kernel call costs about 250 pairs' work (1 thread)
 _LOCAL = threading.local()  # .lengths: row lengths of a rowwise_attention block on this thread
 _SWITCH_LOCK = threading.Lock()
 _SWITCHED: dict[int, list[Any]] = {}  # id(config) -> [count, original name]
@@ -70,9 +74,13 @@ def base_impl(config: Any) -> str:
 
 
 def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: str, dtype: torch.dtype,
-               block_rows: int = BLOCK_ROWS) -> RowBlocks:
+               block_rows: int | None = None, split_gain: float | None = None) -> RowBlocks:
     """Query blocks for sorted positions ``q_pos`` (n,) attending keys [0, length): a row at position p sees keys
-    k <= p (and k > p - window). Each block of ``block_rows`` rows reads keys [first - window + 1, last + 1)."""
+    k <= p (and k > p - window). Each block of at most ``block_rows`` rows reads keys [first - window + 1,
+    last + 1); a block is split further where that saves at least ``split_gain`` of its (query, key) pairs (see
+    :func:`_split`). None: the module's ``BLOCK_ROWS`` / ``SPLIT_GAIN`` at call time (benchmarks and tests set them)."""
+    block_rows = BLOCK_ROWS if block_rows is None else block_rows
+    split_gain = SPLIT_GAIN if split_gain is None else split_gain
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     n = int(q_pos.numel())
@@ -80,9 +88,12 @@ def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: st
         raise ValueError(f"a query position ({int(q_pos[-1])}) is past the attended length {length}")
     neg = float("-inf") if impl != "eager" else torch.finfo(dtype).min  # eager: as the model's own masks
     pos = q_pos.tolist()
-    blocks = []
+    pos_np = np.asarray(pos, dtype=np.int64)
+    spans: list[tuple[int, int]] = []
     for a in range(0, n, block_rows):
-        b = min(a + block_rows, n)
+        spans.extend(_split(pos_np, a, min(a + block_rows, n), window, split_gain))
+    blocks = []
+    for a, b in spans:
         k_lo = 0 if window is None else max(0, pos[a] - window + 1)
         k_hi = pos[b - 1] + 1
         k = torch.arange(k_lo, k_hi, device=q_pos.device).view(1, -1)  # (1, K)
@@ -93,6 +104,28 @@ def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: st
         mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, neg)
         blocks.append(QueryBlock(a, b, k_lo, k_hi, mask.view(1, 1, b - a, k_hi - k_lo)))
     return RowBlocks(n, tuple(blocks))
+
+
+def _split(pos: np.ndarray, a: int, b: int, window: int | None, gain: float) -> list[tuple[int, int]]:
+    """Rows [a, b) as one block, or cut in two where the cut saves the most (query, key) pairs, recursively,
+    while a cut saves at least ``gain`` of the block's pairs and ``SPLIT_MIN_PAIRS``. Every row of a block reads the block's whole key
+    span, so a large gap in the positions (the system prompt's rows and the question's in one block: the former
+    read ~4K keys they mask) costs the gap once per row before it; a cut there costs one more kernel call."""
+    if b - a < 2 or gain <= 0:
+        return [(a, b)]
+    p = pos[a:b]  # (r,) int64 sorted
+    lo = np.zeros_like(p) if window is None else np.maximum(p - window + 1, 0)  # each row's first key
+    r = b - a
+    whole = r * (p[-1] + 1 - lo[0])
+    i = np.arange(1, r)  # cut before local row i: rows [0, i) and [i, r)
+    left = i * (p[i - 1] + 1 - lo[0])
+    right = (r - i) * (p[-1] + 1 - lo[i])
+    saved = whole - left - right  # (r - 1,)
+    j = int(np.argmax(saved))
+    if saved[j] < max(gain * whole, SPLIT_MIN_PAIRS, 1):
+        return [(a, b)]
+    cut = a + j + 1
+    return _split(pos, a, cut, window, gain) + _split(pos, cut, b, window, gain)
 
 
 def _base_attention(impl: str, module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention
+from kvboost_core import attention, replay
 from kvboost_core.adapters import ModelAdapter, ScatterCache
 
 # score(fresh_k, cached_k, fresh_v, cached_v, positions) -> (n,) higher = recompute first
@@ -65,8 +65,13 @@ class ForwardTrace:
     computed_pairs: list[int] = field(default_factory=list)
     length: int = 0  # keys attended: [0, length)
     check_layers: list[int] = field(default_factory=list)  # layers that ran a K/V-only scoring pass
+    # rows whose Q/K/V projections a check layer's whole-layer pass read from its scoring pass (not recomputed)
+    replayed_tokens: int = 0
 
 
+# The check layer's kept rows read their Q/K/V projections from its scoring pass (kvboost_core.replay); False
+# projects them again (the former behaviour, kept as the reference the tests compare with).
+REUSE_CHECK_PROJECTIONS = True
 _RECORD = threading.local()  # .traces: a list every run_forward on this thread appends its trace to
 
 
@@ -157,6 +162,7 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
         if schedule.recheck_layer is not None and schedule.recheck_layer > check:
             checks.append(min(schedule.recheck_layer, adapter.num_layers - 1))
     cands = schedule.candidates
+    projected: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
     with attention.switched(config):
         try:
@@ -167,8 +173,14 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                     trace.check_layers.append(layer)
                     # K/V of every computed token (scored before they overwrite the cached ones), then the whole
                     # layer for the kept tokens only, which attend to those fresh K/V.
-                    score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache, cands,
-                                          schedule, observers=schedule.observers if layer == check else 0)
+                    attn = adapter.inner.layers[layer].self_attn
+                    reuse = REUSE_CHECK_PROJECTIONS and adapter.reader is None  # a reader gates projections per row
+                    capturing: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = (
+                        replay.capture(attn) if reuse else contextlib.nullcontext({}))
+                    with capturing as captured:
+                        score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache,
+                                              cands, schedule, observers=schedule.observers if layer == check else 0)
+                    n_scored = int(positions.numel())
                     if layer == check:
                         trace.kv_only_tokens = int(positions.numel())
                         keep = _select(schedule, score)
@@ -184,18 +196,29 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                     cos_sin = (cos_sin[0][:, idx], cos_sin[1][:, idx])
                     masks = _masks(adapter, positions, length, impl)
                     cache.positions = positions
-                hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
+                    if captured and all(t.shape[:2] == (1, n_scored) for t in captured.values()):
+                        # the kept rows' Q/K/V projections were computed by the scoring pass: read them
+                        projected = replay.replaying(attn, captured, idx)
+                        trace.replayed_tokens += int(positions.numel())
+                with projected:
+                    hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
+                projected = contextlib.nullcontext()
                 trace.tokens_per_layer.append(int(positions.numel()))
-                if recording is not None:
-                    causal, computed = _pairs(positions, length, adapter.windows[layer], masks[layer])
-                    trace.causal_pairs.append(causal)
-                    trace.computed_pairs.append(computed)
+                _record(trace, recording, adapter, layer, positions, length, masks[layer])
         finally:
             cache.on_update = None
             cache.positions = None
             if adapter.reader is not None:  # later plain HF calls on this thread run the base model
                 adapter.reader.set_rows(positions, None)
     return hidden[:, -1:], trace
+
+
+def _record(trace: ForwardTrace, recording: list[ForwardTrace] | None, adapter: ModelAdapter, layer: int,
+            positions: torch.Tensor, length: int, plan: Any) -> None:
+    if recording is not None:
+        causal, computed = _pairs(positions, length, adapter.windows[layer], plan)
+        trace.causal_pairs.append(causal)
+        trace.computed_pairs.append(computed)
 
 
 def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask: Any,

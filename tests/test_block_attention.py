@@ -47,6 +47,8 @@ CASES = [  # (length, heads, kv heads, block rows, window, share)
     (513, 6, 1, 128, None, 0.7),  # multi-query attention
     (300, 4, 2, 32, 50, 0.6),  # sliding window: blocks start at their first row's window
     (300, 4, 4, 1000, 17, 1.0),  # one block holding every row, window smaller than the block's span
+    (900, 9, 3, 256, None, 0.02),  # sparse rows far apart: blocks cut at the gaps
+    (900, 4, 2, 256, 40, 0.05),  # ... under a sliding window
 ]
 
 
@@ -77,6 +79,50 @@ def test_block_attention_matches_a_dense_reference(tiny_llama, impl, case):
     assert sum(b.end - b.start for b in plan.blocks) == q_pos.numel()
     if window is not None:
         assert all(b.k_lo == max(0, int(q_pos[b.start]) - window + 1) for b in plan.blocks)
+
+
+def _pairs(plan: attention.RowBlocks) -> int:
+    return sum((b.end - b.start) * (b.k_hi - b.k_lo) for b in plan.blocks)
+
+
+def test_row_blocks_cut_a_block_at_a_gap():
+    # the system prompt's rows and the question's, 4K positions apart, in one 256-row block: the system rows
+    # would each read ~4K keys they mask
+    q_pos = torch.cat((torch.arange(32), torch.arange(4128, 4192)))
+    kw = dict(impl="sdpa", dtype=torch.float32, block_rows=256)
+    whole = attention.row_blocks(q_pos, 4192, None, split_gain=0.0, **kw)
+    cut = attention.row_blocks(q_pos, 4192, None, **kw)
+    assert [(b.start, b.end, b.k_hi) for b in whole.blocks] == [(0, 96, 4192)]
+    assert [(b.start, b.end, b.k_lo, b.k_hi) for b in cut.blocks] == [(0, 32, 0, 32), (32, 96, 0, 4192)]
+    assert _pairs(cut) == 32 * 32 + 64 * 4192  # the causal span of each row's block, nothing more
+    # a cut that saves little is not made: a contiguous run stays one block (one kernel call)
+    run = attention.row_blocks(torch.arange(4000, 4192), 4192, None, **kw)
+    assert len(run.blocks) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_blocks_cuts_never_add_pairs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    length = 3000
+    q_pos = _selection(gen, length, [0.01, 0.1, 0.5, 0.9, 0.03, 0.2][seed], question=64)
+    window = None if seed % 2 else 700
+    kw = dict(impl="sdpa", dtype=torch.float32, block_rows=[64, 256, 512][seed % 3])
+    whole = attention.row_blocks(q_pos, length, window, split_gain=0.0, **kw)
+    cut = attention.row_blocks(q_pos, length, window, **kw)
+    assert _pairs(cut) <= _pairs(whole)
+    assert [b.start for b in cut.blocks][0] == 0 and all(
+        x.end == y.start for x, y in zip(cut.blocks, cut.blocks[1:]))  # contiguous, in order, every row once
+    assert cut.blocks[-1].end == q_pos.numel()
+    assert all(b.end - b.start <= kw["block_rows"] for b in cut.blocks)
+
+
+def test_row_blocks_read_the_module_settings_at_call_time(monkeypatch):
+    # benchmarks (--block-rows) and tests set attention.BLOCK_ROWS; a default bound at import ignored them
+    q_pos = torch.arange(40)
+    monkeypatch.setattr(attention, "BLOCK_ROWS", 8)
+    assert len(attention.row_blocks(q_pos, 40, None, impl="sdpa", dtype=torch.float32).blocks) == 5
+    monkeypatch.setattr(attention, "BLOCK_ROWS", 40)
+    assert len(attention.row_blocks(q_pos, 40, None, impl="sdpa", dtype=torch.float32).blocks) == 1
 
 
 def test_row_blocks_refuse_bad_input():

@@ -87,6 +87,8 @@ def trace_flops(shape: Shape, traces: Sequence[Any]) -> PrefillFlops:
             # K/V-only pass: Q, K and V projections of every scored row (HF's layer computes all three first),
             # then the whole layer again for the rows kept
             implemented += tr.kv_only_tokens * (shape.q_flops + shape.kv_flops)
+            # ... except the projections of kept rows the whole-layer pass read from the scoring pass
+            implemented -= getattr(tr, "replayed_tokens", 0) * (shape.q_flops + shape.kv_flops)
             # ideal: fresh K/V only for the rows scored and dropped; the kept ones' come with their layer
             kept = sum(tr.tokens_per_layer[c] for c in tr.check_layers)
             ideal += max(tr.kv_only_tokens - kept, 0) * shape.kv_flops
