@@ -26,14 +26,14 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvboost_core.adapters import output_cache
-from kvboost_core.forward import record_traces
 from kvboost_rag.app.bench.flops import Shape, flop_summary, plot_flops, print_flops, speedup, trace_flops
+from kvboost_rag.app.bench.prefix import longest_prefix
 from kvboost_rag.app.bench.quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -49,13 +49,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 REUSE_METHODS = ("none", "selective", "cacheblend")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's name (torch is lazy)
 
 
 def build_model(shape: str, layers: int | None, seed: int = 0, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """A random-weight model of a named shape and a small tokenizer trained on the fly. The weights are made
-    on ``device`` (a 7B shape initialised on the CPU first would take minutes)."""
+                dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """A random-weight model of a named shape (fp32 unless ``dtype``) and a small tokenizer trained on the fly.
+    The weights are made on ``device`` (a 7B shape initialised on the CPU first would take minutes)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvboost_rag.tiny import tiny_tokenizer
@@ -68,15 +69,17 @@ def build_model(shape: str, layers: int | None, seed: int = 0, device: str = "cp
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32, attn_implementation="sdpa")
     return model.eval(), tiny_tokenizer()
 
 
-def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_model(path: str, device: str = "cpu", dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """A local HF model (fp32 unless ``dtype``) and its tokenizer."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
     return model.to(device).eval(), tok
 
 
@@ -102,6 +105,8 @@ def _block_rows() -> int:
 
 def _sync() -> None:
     """GPU work is asynchronous: a timer must wait for it (a no-op on CPU)."""
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
@@ -121,17 +126,12 @@ class ExactPrefixCache:
         self.model = model
         self.entries: list[tuple[list[int], Any]] = []
 
-    @torch.inference_mode()
     def first_token(self, ids: list[int]) -> tuple[float, int]:
-        best, best_n = None, 0
-        for prev, cache in self.entries:
-            n = 0
-            for a, b in zip(prev, ids):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_n = cache, n
+        import torch
+
+        from kvboost_core.adapters import output_cache
+
+        best_n, best = longest_prefix(self.entries, ids)
         best_n = min(best_n, len(ids) - 1)  # the last token is always computed: its logits are the output
         cache = None
         if best is not None and best_n > 0:
@@ -139,23 +139,28 @@ class ExactPrefixCache:
             cache.crop(best_n - cache.get_seq_length())  # transformers 5: a negative count drops tokens
         _sync()
         t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids[best_n:]], device=self.model.device), cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        tok = int(torch.argmax(out.logits[0, -1]))
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids[best_n:]], device=self.model.device), cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            tok = int(torch.argmax(out.logits[0, -1]))
         dt = time.perf_counter() - t0
         self.entries.append((list(ids), output_cache(out)))
         self.entries = self.entries[-8:]
         return dt, tok
 
 
-@torch.inference_mode()
 def full_prefill(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
     """The fair baseline: HF forward of the whole prompt, logits for the last position only."""
-    return _timed(lambda: model(input_ids=torch.tensor([ids], device=model.device),
-                                logits_to_keep=1).logits[0, -1].float())
+    import torch
+
+    with torch.inference_mode():
+        return _timed(lambda: model(input_ids=torch.tensor([ids], device=model.device),
+                                    logits_to_keep=1).logits[0, -1].float())
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    import torch
+
     lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got.float(), -1)
     return float((lp.exp() * (lp - lq)).sum())
 
@@ -172,7 +177,10 @@ def word_vocab(tok: Any, limit: int = 4096) -> list[int]:
 def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
                seed: int = 0, system_tokens: int = 32, ratios: tuple[float, ...] = (),
                only: tuple[str, ...] = ()) -> dict[str, Any]:
+    import torch
+
     from kvboost_core import Segment
+    from kvboost_core.forward import record_traces
     from kvboost_rag.app.bench.peer import load_peer, peer_chunk_size, summarize
 
     rng = random.Random(seed)
@@ -384,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="kvboost-rag bench rag --help: the real-model RAG answers benchmark; "
                                         "kvboost-rag bench multiturn --help: the multi-turn chat benchmark")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a local HF model directory")
+    src.add_argument("--model", help="a local HF model directory or a short name (smollm2-135m-instruct)")
     src.add_argument("--shape", default="qwen2.5-0.5b", help=f"random-weight shape: {', '.join(SHAPES)}")
     ap.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     ap.add_argument("--sizes", default="2,4,8", help="documents per query, comma-separated")
@@ -409,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
+    if args.model:
+        from kvboost_rag.app.loading import check_model_arg
+
+        check_model_arg(args.model)  # one line at once, before torch loads
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.block_rows is not None:
@@ -420,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvboost_core.engine import KVEngine
 
-    dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")])
     model, tok = (load_model(_model_path(args.model), args.device, dtype) if args.model
                   else build_model(args.shape, args.layers, device=args.device, dtype=dtype))
     engine = KVEngine(model, tok, max_cache_bytes="16GiB")
