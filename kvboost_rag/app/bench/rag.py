@@ -14,7 +14,10 @@ an earlier one. Reported per setting:
 - ``reuse`` / ``recompute``: shares of prompt tokens served from the cache as is / recomputed by repair;
 - ``ttft_s`` median, and ``speedup`` = full TTFT / reuse TTFT (N.NNx faster), both measured side by side.
 
-    python -m kvboost_rag.app.bench.rag --split eval --k 12 --json benchmarks/results/rag_quality.json
+The chat format is :mod:`.rag_chat`'s; ``--ttft-k`` runs :mod:`.rag_ttft` (TTFT of long chats) instead, and the
+``block`` setting's answers are checked by :mod:`kvboost_rag.app.block_reference`.
+
+    kvboost-rag bench rag --split eval --k 12 --json benchmarks/results/rag_quality.json
 """
 
 from __future__ import annotations
