@@ -175,3 +175,36 @@ def test_verify_compares_with_the_block_prefill_and_reports_the_base_model(train
     assert none["base_mean_kl"] > 1e-6  # the adapted model is not the base model: reported separately
     base = engine_for(make_tiny_model("llama"), tokenizer)
     assert "base_mean_kl" not in base.verify([PROMPT], repairs=("full",), max_new_tokens=2).summary()["full"]
+
+
+def test_block_plan_is_the_served_prompt_and_its_reference_the_served_answer(trained, tokenizer, monkeypatch):
+    """kvboost_rag.app.block_reference: the one derivation (plan -> tokenize -> runs) the trainer, the RAG
+    benchmark's block setting and the real-model test share; a wrong answer or prompt is told apart."""
+    from kvboost_rag import KVBoostRAG
+    from kvboost_rag.app.bench.rag_chat import user_message
+    from kvboost_rag.app.block_reference import block_plan, block_reference, served_as_reference
+
+    out, _, _ = trained
+    rag = KVBoostRAG(engine_for(make_tiny_model("llama"), tokenizer, block_adapter=str(out)))
+    rag.warm_documents(DOCS, progress=False)
+    prompt = user_message("Where was Alice born?", DOCS)
+    plan = block_plan(rag, prompt, True)
+    assert plan.documents == len(DOCS) and sum(r.doc is not None for r in plan.runs) == len(DOCS)
+    res = rag.generate(prompt, max_new_tokens=12, add_special_tokens=True, store_prefix=False)
+    assert res.stats["reused_block"] > 0 and res.stats["reused_approx"] == 0
+    assert plan.ids == list(res.prompt_token_ids)
+    first, tokens = block_reference(rag, plan, 12)
+    assert tokens == list(res.token_ids) and (first - res.first_logits).abs().max() < 1e-4
+    assert served_as_reference(rag, prompt, True, res.prompt_token_ids, res.token_ids, 12)
+    wrong = [*res.token_ids[:-1], (res.token_ids[-1] + 1) % len(tokenizer)]
+    assert not served_as_reference(rag, prompt, True, res.prompt_token_ids, wrong, 12)
+    assert not served_as_reference(rag, prompt, True, res.prompt_token_ids[1:], res.token_ids, 12)
+    assert block_plan(rag, "Where was Alice born?", True).documents == 0
+    # the trainer's sample is that plan, with the base model's full-prefill answer as the teacher
+    monkeypatch.setattr(rag, "chat_prompt", lambda msgs: msgs[-1]["content"])
+    monkeypatch.setattr(rag, "chat_add_special_tokens", lambda text: True)
+    chat = adapt_block.Chat([{"role": "user", "content": prompt}], DOCS)
+    sample = adapt_block.prepare(rag, chat, 6, rag.engine.model)
+    assert sample is not None and sample.ids == plan.ids and sample.runs == plan.runs
+    assert adapt_block.prepare(rag, adapt_block.Chat([{"role": "user", "content": "Who?"}], []), 6,
+                               rag.engine.model) is None

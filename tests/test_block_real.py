@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from kvboost_core import zoo
-from kvboost_core.block_prefill import block_greedy, block_runs
 from kvboost_rag.app import rag_corpus as rc
-from kvboost_rag.app.bench.rag import messages
+from kvboost_rag.app.bench.rag_chat import messages
+from kvboost_rag.app.block_reference import block_plan, block_reference
 
 MODEL = "smollm2-135m-instruct"
 N_QUESTIONS = 12
@@ -57,11 +57,9 @@ def test_block_served_answers_are_the_adapted_models_block_prefill(served):
     encoded: dict = {}
     for q, prompt, special, res in out:
         assert res.stats["reused_block"] > 0 and res.stats["reused_approx"] == 0, q.question
-        segs = eng.tokenize(rag.plan(prompt, add_special_tokens=special).segments, add_special_tokens=False)
-        ids = [t for s in segs for t in s.token_ids]
-        assert ids == list(res.prompt_token_ids)
-        first, tokens = block_greedy(eng.model, ids, block_runs(segs, eng.config.sink_tokens),
-                                     list(eng._warm_prefix), NEW_TOKENS, set(eng._eos), encoded)
+        plan = block_plan(rag, prompt, special)
+        assert plan.ids == list(res.prompt_token_ids) and plan.documents == K
+        first, tokens = block_reference(rag, plan, NEW_TOKENS, encoded)
         assert tokens == list(res.token_ids), q.question
         assert (first - res.first_logits).abs().max() < 1e-3
 

@@ -27,12 +27,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvboost_rag.app.bench.rag import DEFAULT_MODEL, messages
+from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 from kvboost_rag.app.cli_util import positive_int
+
+if TYPE_CHECKING:  # torch loads when a command runs, so --help and argument errors come at once
+    import torch
 
 
 @dataclass(slots=True)
@@ -45,24 +46,26 @@ class Sample:
     teacher_logp: torch.Tensor  # (A, V) bf16 log-probs of the teacher at each answer position
 
 
-@torch.no_grad()
 def teacher(model: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
     """The base model's greedy answer after a full prefill of ``ids`` and its log-probs at each step."""
+    import torch
+
     from kvboost_core.adapters import output_cache
 
-    out = model(input_ids=torch.tensor([list(ids)]), use_cache=True, logits_to_keep=1)
-    cache, tokens, logps = output_cache(out), [], []
-    logits = out.logits[0, -1].float()
-    while True:
-        logps.append(torch.log_softmax(logits, -1).to(torch.bfloat16))
-        nxt = int(logits.argmax())
-        tokens.append(nxt)
-        if nxt in eos or len(tokens) >= max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
-        cache = output_cache(out)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([list(ids)]), use_cache=True, logits_to_keep=1)
+        cache, tokens, logps = output_cache(out), [], []
         logits = out.logits[0, -1].float()
-    return tokens, torch.stack(logps)
+        while True:
+            logps.append(torch.log_softmax(logits, -1).to(torch.bfloat16))
+            nxt = int(logits.argmax())
+            tokens.append(nxt)
+            if nxt in eos or len(tokens) >= max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            cache = output_cache(out)
+            logits = out.logits[0, -1].float()
+        return tokens, torch.stack(logps)
 
 
 def build_samples(rag: Any, corpus: Any, n: int, ks: Sequence[int], max_new_tokens: int, seed: int,
@@ -107,6 +110,7 @@ def build_samples(rag: Any, corpus: Any, n: int, ks: Sequence[int], max_new_toke
 def student_logp(model: Any, reader: Any, s: Sample, gate: bool = True) -> torch.Tensor:
     """(A, V) log-probs along the teacher's answer, reading ``s``'s served KV, the tail through the adapter
     (``gate=False``: the base model, i.e. what ``repair="none"`` serves without an adapter)."""
+    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -122,12 +126,15 @@ def student_logp(model: Any, reader: Any, s: Sample, gate: bool = True) -> torch
 
 
 def kl_loss(teacher_logp: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over answer positions of KL(teacher || student); both (A, V) log-probs."""
     t = teacher_logp.float()
     return (t.exp() * (t - student)).sum(-1).mean()
 
 
 def train(model: Any, reader: Any, samples: Sequence[Sample], steps: int, lr: float, seed: int,
           log: Any = print) -> list[float]:
+    import torch
+
     for p in model.parameters():
         p.requires_grad_(False)
     params = reader.parameters()
@@ -161,18 +168,20 @@ def train(model: Any, reader: Any, samples: Sequence[Sample], steps: int, lr: fl
     return losses
 
 
-@torch.no_grad()
 def evaluate(model: Any, reader: Any, samples: Sequence[Sample]) -> dict[str, float]:
     """Mean answer-position KL and first-token top-1 against the teacher, without and with the adapter."""
+    import torch
+
     out: dict[str, float] = {}
-    for name, gate in (("none", False), ("reader", True)):
-        kls, top1 = [], []
-        for s in samples:
-            lp = student_logp(model, reader, s, gate)
-            kls.append(float(kl_loss(s.teacher_logp, lp)))
-            top1.append(int(lp[0].argmax()) == s.answer[0])
-        out[f"{name}_kl"] = statistics.fmean(kls)
-        out[f"{name}_top1"] = sum(top1) / len(top1)
+    with torch.no_grad():
+        for name, gate in (("none", False), ("reader", True)):
+            kls, top1 = [], []
+            for s in samples:
+                lp = student_logp(model, reader, s, gate)
+                kls.append(float(kl_loss(s.teacher_logp, lp)))
+                top1.append(int(lp[0].argmax()) == s.answer[0])
+            out[f"{name}_kl"] = statistics.fmean(kls)
+            out[f"{name}_top1"] = sum(top1) / len(top1)
     return out
 
 
@@ -209,16 +218,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
     if not 0.0 <= args.recompute_ratio <= 1.0:
         ap.error(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    from kvboost_rag.app.loading import load_rag
+
+    t0 = time.perf_counter()
+    rag = load_rag(args.model, auto_calibrate=False)  # a --model that cannot load: one line, checked first
+    import torch
+
     from kvboost_core.reader import ReaderAdapter
-    from kvboost_rag import KVBoostRAG
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.synth_corpus import synthetic_corpus
 
-    t0 = time.perf_counter()
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu", auto_calibrate=False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # here, so the adapter's initial weights do not depend on how the model loaded
     engine = rag.engine
     reader = ReaderAdapter.attach(engine.model, rank=args.rank, alpha=args.alpha,
                                   base_fingerprint=engine.fingerprint)

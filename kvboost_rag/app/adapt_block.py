@@ -30,13 +30,15 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvboost_rag.app.adapt import kl_loss, teacher
-from kvboost_rag.app.bench.rag import DEFAULT_MODEL, SYSTEM, user_message
+from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM, user_message
+from kvboost_rag.app.block_reference import block_plan
 from kvboost_rag.app.cli_util import positive_int
+
+if TYPE_CHECKING:  # torch loads when a command runs, so --help and argument errors come at once
+    import torch
 
 TUNE_TRAIN_QUESTIONS = 48  # tune questions [0, 48) train, [48, 64) validate
 KS = (2, 3, 4, 4, 5, 6, 6, 8, 8, 10, 12, 16)  # documents per chat, drawn uniformly from this list
@@ -98,21 +100,15 @@ class Sample:
 
 
 def prepare(rag: Any, chat: Chat, max_new_tokens: int, teacher_model: Any) -> Sample | None:
-    """The engine's own plan of ``chat`` (documents warmed first) and the base model's answer to it."""
-    from kvboost_core.block_prefill import block_runs
-
-    engine = rag.engine
+    """The engine's own plan of ``chat`` (its documents registered here) and the base model's answer to it;
+    None when the planner finds no document in it."""
     register(rag, chat.docs)
     prompt = rag.chat_prompt(chat.messages)
-    special = rag.chat_add_special_tokens(prompt)
-    plan = rag.plan(prompt, add_special_tokens=special)
-    if not plan.doc_ranges:
+    plan = block_plan(rag, prompt, rag.chat_add_special_tokens(prompt))
+    if not plan.documents:
         return None
-    segs = engine.tokenize(plan.segments, add_special_tokens=False)
-    ids = [t for s in segs for t in s.token_ids]
-    runs = block_runs(segs, engine.config.sink_tokens)
-    answer, logp = teacher(teacher_model, ids, max_new_tokens, set(engine._eos))
-    return Sample(ids, runs, answer, logp)
+    answer, logp = teacher(teacher_model, plan.ids, max_new_tokens, set(rag.engine._eos))
+    return Sample(plan.ids, plan.runs, answer, logp)
 
 
 def register(rag: Any, texts: Sequence[str]) -> None:
@@ -127,19 +123,22 @@ def register(rag: Any, texts: Sequence[str]) -> None:
 
 def student_logp(model: Any, lead: Sequence[int], s: Sample) -> torch.Tensor:
     """(A, V) log-probs along the teacher's answer under block attention (the serving forward)."""
+    import torch
+
     from kvboost_core.block_prefill import block_forward
 
     logits, _ = block_forward(model, s.ids + s.answer[:-1], s.runs, lead, logits_from=len(s.ids) - 1)
     return torch.log_softmax(logits, -1)
 
 
-@torch.no_grad()
 def evaluate(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sample]) -> dict[str, float]:
     """Answer-position KL and first-token top-1 against the teacher: block attention without and with LoRA."""
+    import torch
+
     out: dict[str, float] = {}
     for name, gate in (("base", None), ("block", True)):
         kls, top1 = [], []
-        with lora.gated(gate):
+        with torch.no_grad(), lora.gated(gate):
             for s in samples:
                 lp = student_logp(model, lead, s)
                 kls.append(float(kl_loss(s.teacher_logp, lp)))
@@ -152,6 +151,7 @@ def evaluate(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sampl
 def train(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sample], steps: int, lr: float,
           seed: int, ckpt: str | None = None, every: int = 20, log: Any = print) -> list[float]:
     """AdamW on the LoRA weights, cosine schedule with 5% warm-up; resumes from and writes ``ckpt``."""
+    import torch
     from tqdm import tqdm
 
     for p in model.parameters():
@@ -198,6 +198,7 @@ def train(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sample],
 def build_data(rag: Any, chats: Sequence[Chat], max_new_tokens: int, path: str | None, log: Any = print
                ) -> list[Sample]:
     """Teacher answers for ``chats``, resumed from and checkpointed to ``path`` every 16 chats."""
+    import torch
     from tqdm import tqdm
 
     done: list[Sample] = []
@@ -238,18 +239,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
     if not 0.0 <= args.synth_share <= 1.0:
         ap.error(f"--synth-share must be in [0, 1], got {args.synth_share!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    from kvboost_rag.app.loading import load_rag
+
+    t0 = time.perf_counter()
+    rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
+    import torch
+
     from kvboost_core.block_adapter import TARGETS, BlockMeta, save
     from kvboost_core.reader import ReaderAdapter
-    from kvboost_rag import KVBoostRAG
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.synth_corpus import synthetic_corpus
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # here, so the adapter's initial weights do not depend on how the model loaded
     os.makedirs(args.out, exist_ok=True)
-    t0 = time.perf_counter()
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu", auto_calibrate=False, repair="none")
     engine = rag.engine
     lead = list(engine._warm_prefix)
     tune = rc.load_corpus("tune")

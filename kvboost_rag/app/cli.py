@@ -244,12 +244,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- bench
 def run_bench(rest: Sequence[str]) -> int:
-    try:
-        from kvboost_rag.app.bench.ttft import main as bench_main
-    except ImportError as exc:
-        raise SystemExit(f"kvboost_rag.app.bench.ttft is not available in this installation ({exc})") from exc
-    rc = bench_main(list(rest))
-    return int(rc or 0)
+    """``bench`` and its subcommands (``bench rag``, ``bench multiturn``) parse their own arguments."""
+    from kvboost_rag.app.bench.ttft import main as bench_main
+
+    return int(bench_main(list(rest)) or 0)
 
 
 def run_adapt(rest: Sequence[str]) -> int:
@@ -363,12 +361,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return run_bench(argv[1:])  # bench owns its own parser
-    if argv and argv[0] == "adapt":
-        return run_adapt(argv[1:])  # so does adapt
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]  # accepted anywhere on the line
+    if argv and argv[0] in ("bench", "adapt"):  # each owns its parser; its errors are one line too
+        run = run_bench if argv[0] == "bench" else run_adapt
+        return run_guarded(lambda: run(argv[1:]), debug=debug)
     args = build_parser().parse_args(argv)
     return run_guarded(lambda: _run(args), debug=debug)
 

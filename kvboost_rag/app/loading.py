@@ -101,6 +101,29 @@ def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Lo
     return Loaded(engine, label, _model_dir(model))
 
 
+def check_model_arg(model: str) -> None:
+    """A bench's or trainer's ``--model``, before anything heavy loads: a path must be a directory, and a name
+    must be something loadable (:func:`check_model_name`); else one ``UserError`` naming ``--model``."""
+    if not (model.startswith((".", "/", "~")) or Path(model).exists()):
+        check_model_name(model)
+    elif not Path(model).is_dir():
+        raise UserError(f"--model {model}: no such model directory")
+
+
+def load_rag(model: str, **engine_kw: Any) -> Any:
+    """``KVBoostRAG.from_model_id(model, device="cpu", ...)`` for a bench's or trainer's ``--model``, checked
+    first (:func:`check_model_arg`, before torch loads); a model HF's loaders cannot read is a ``UserError``
+    naming ``--model`` too."""
+    check_model_arg(model)
+    from kvboost_rag import KVBoostRAG
+
+    try:
+        return KVBoostRAG.from_model_id(model, device="cpu", **engine_kw)
+    except OSError as exc:  # HF's loaders: a missing/partial directory, an unknown hub id (adapters: ValueError)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--model {model}: cannot load it as a HuggingFace causal LM ({first})") from exc
+
+
 def set_threads(threads: int | None, model: str) -> None:
     """Apply ``--threads``. The embedded model is tiny (3M parameters): one thread beats several, whose
     synchronisation costs more than the matmuls, and collapses when the cores are shared (20x measured)."""

@@ -14,27 +14,25 @@ an earlier one. Reported per setting:
 - ``reuse`` / ``recompute``: shares of prompt tokens served from the cache as is / recomputed by repair;
 - ``ttft_s`` median, and ``speedup`` = full TTFT / reuse TTFT (N.NNx faster), both measured side by side.
 
-    python -m kvboost_rag.app.bench.rag --split eval --k 12 --json benchmarks/results/rag_quality.json
+The chat format is :mod:`.rag_chat`'s; ``--ttft-k`` runs :mod:`.rag_ttft` (TTFT of long chats) instead, and the
+``block`` setting's answers are checked by :mod:`kvboost_rag.app.block_reference`.
+
+    kvboost-rag bench rag --split eval --k 12 --json benchmarks/results/rag_quality.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM, first_sentence, messages, user_message
 
-from kvboost_core.adapters import output_cache
-from kvboost_core.fidelity import kl_divergence
-
-SYSTEM = "You are a helpful assistant. Answer the question using only the documents. Be brief."
-DEFAULT_MODEL = "smollm2-135m-instruct"
+if TYPE_CHECKING:
+    import torch
 
 # name -> engine kwargs for KVBoostRAG.generate; "full" is the engine's own full recompute (must equal HF)
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -61,23 +59,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def user_message(question: str, docs: Sequence[str]) -> str:
-    body = "\n\n".join(docs)
-    return f"Documents:\n\n{body}\n\nQuestion: {question}"
-
-
-def messages(question: str, docs: Sequence[str]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(question, docs)}]
-
-
-def first_sentence(text: str) -> str:
-    """Normalized first sentence: lower case, single spaces, no trailing punctuation."""
-    t = " ".join(text.strip().split()).lower()
-    m = re.search(r"[.!?](\s|$)|\n", t)  # "3.5" has no space after its point: not an end
-    t = t[: m.start()] if m else t
-    return t.strip(" .!?,;:\"'")
-
-
 @dataclass(slots=True)
 class Reference:
     ids: list[int]
@@ -87,23 +68,27 @@ class Reference:
     ttft_s: float
 
 
-@torch.inference_mode()
 def hf_greedy(model: Any, tokenizer: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> Reference:
     """Plain HF: a full prefill of ``ids`` (logits of the last position only), then greedy steps on HF's cache."""
-    t0 = time.perf_counter()
-    x = torch.tensor([list(ids)], device=model.device)
-    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-    logits = out.logits[0, -1].float()
-    ttft = time.perf_counter() - t0
-    cache, tokens = output_cache(out), []
-    nxt = int(logits.argmax())
-    while True:
-        tokens.append(nxt)
-        if nxt in eos or len(tokens) >= max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[nxt]], device=model.device), cache=cache, use_cache=True)
-        cache = output_cache(out)
-        nxt = int(out.logits[0, -1].argmax())
+    import torch
+
+    from kvboost_core.adapters import output_cache
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        x = torch.tensor([list(ids)], device=model.device)
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        ttft = time.perf_counter() - t0
+        cache, tokens = output_cache(out), []
+        nxt = int(logits.argmax())
+        while True:
+            tokens.append(nxt)
+            if nxt in eos or len(tokens) >= max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[nxt]], device=model.device), cache=cache, use_cache=True)
+            cache = output_cache(out)
+            nxt = int(out.logits[0, -1].argmax())
     text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
     return Reference(list(ids), logits, tokens, text, ttft)
 
@@ -177,7 +162,9 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     KVBoostRAG whose engine has a block adapter) also the ``block`` setting: the adapted model served at
     ``repair="none"``, its greedy answer checked against the independent HF block construction
     (kvboost_core.block_prefill) and its accuracy compared with the base model's full prefill."""
+    from kvboost_core.fidelity import kl_divergence
     from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.block_reference import served_as_reference
 
     corpus = rc.load_corpus(split)
     sets = rc.retrieval_sets(corpus, k, seed)[start:][: n_questions or None]
@@ -220,7 +207,8 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             n = st["prompt_tokens"]
             exact = None
             if name == "block":
-                exact = _block_exact(owner, prompt, special, res, max_new_tokens, eos, encoded)
+                exact = served_as_reference(owner, prompt, special, res.prompt_token_ids, res.token_ids,
+                                            max_new_tokens, encoded)
             rows[name].append(Row(
                 q.question, q.answer, name, res.text, rc.is_correct(res.text, q),
                 first_sentence(res.text) == ref_sentence, list(res.token_ids) == ref.tokens, first_kl, top1,
@@ -245,59 +233,6 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             "prompt_tokens_median": statistics.median(prompt_tokens), "warm_s": warm_s, "engine": engine_info,
             "settings": {s: kw for s, kw in settings.items()}, "summary": summaries(rows),
             "rows": {s: [asdict(x) for x in r] for s, r in rows.items()}}
-
-
-def _block_exact(block_rag: Any, prompt: str, special: bool, res: Any, max_new_tokens: int, eos: set[int],
-                 encoded: dict) -> bool:
-    """Whether the block-served greedy answer equals the independent HF block construction's."""
-    from kvboost_core.block_prefill import block_greedy, block_runs
-
-    eng = block_rag.engine
-    plan = block_rag.plan(prompt, add_special_tokens=special)
-    segs = eng.tokenize(plan.segments, add_special_tokens=False)
-    ids = [t for s in segs for t in s.token_ids]
-    _, tokens = block_greedy(eng.model, ids, block_runs(segs, eng.config.sink_tokens), list(eng._warm_prefix),
-                             max_new_tokens, eos, encoded)
-    return ids == list(res.prompt_token_ids) and tokens == list(res.token_ids)
-
-
-def ttft_long(rag: Any, k: int, n_prompts: int, settings: dict[str, dict[str, Any]], rounds: int = 2,
-              seed: int = 1, block_rag: Any = None) -> dict[str, Any]:
-    """TTFT of long RAG chats (``k`` held-out documents each), side by side in this process: plain HF full
-    prefill (``logits_to_keep=1``, from the call's start) against each setting through the transparent path.
-    Medians over ``rounds`` per prompt, then over prompts; speedup = full / reuse."""
-    from kvboost_rag.app import rag_corpus as rc
-
-    corpus = rc.load_corpus("eval")
-    rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
-    eng = rag.engine
-    owners = {s: (rag, kw) for s, kw in settings.items()}
-    if block_rag is not None:  # the adapted model at repair="none", side by side with the base model's HF prefill
-        block_rag.warm_documents([rc.doc_text(d) for d in corpus.documents], progress=False)
-        owners["block"] = (block_rag, {"repair": "none"})
-    rows: dict[str, list[float]] = {"full": [], **{s: [] for s in owners}}
-    lengths = []
-    for q, docs in rc.retrieval_sets(corpus, k, seed)[:n_prompts]:
-        prompt = rag.chat_prompt(messages(q.question, [rc.doc_text(d) for d in docs]))
-        special = rag.chat_add_special_tokens(prompt)
-        ids = rag.encode(prompt, special)
-        lengths.append(len(ids))
-        per: dict[str, list[float]] = {s: [] for s in rows}
-        for _ in range(rounds):
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                eng.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
-                per["full"].append(time.perf_counter() - t0)
-            for name, (owner, kw) in owners.items():
-                res = owner.generate(prompt, max_new_tokens=1, add_special_tokens=special, store_prefix=False, **kw)
-                per[name].append(res.stats["ttft_s"])
-        for s, v in per.items():
-            rows[s].append(statistics.median(v))
-    full = statistics.median(rows["full"])
-    return {"k": k, "prompts": n_prompts, "rounds": rounds, "prompt_tokens_median": statistics.median(lengths),
-            "ttft_s": {s: statistics.median(v) for s, v in rows.items()},
-            "speedup": {s: full / statistics.median(v) for s, v in rows.items() if s != "full"},
-            "settings": settings}
 
 
 def merge_runs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -352,6 +287,7 @@ def print_table(result: dict[str, Any]) -> None:
     """Accuracy with its paired difference from full prefill (bootstrap 95% CI, McNemar p), the share of full
     prefill's right answers kept, agreement with full prefill (Wilson 95% CI) and speed."""
     from kvboost_rag.app.bench.stats import pct_ci
+    from kvboost_rag.app.fmt import ratio_speedup
 
     print(f"split={result['split']} k={result['k']} questions={result['questions']} "
           f"prompt tokens (median)={result['prompt_tokens_median']}")
@@ -365,54 +301,46 @@ def print_table(result: dict[str, Any]) -> None:
         kept = f"{pa['kept_right']:.0%}" if pa else ""
         same_s = (f"{same['rate']:.1%} [{same['lo']:.0%}, {same['hi']:.0%}]" if same else "")
         print(f"{s:<18}{m['accuracy']:>7.1%}  {delta:<24}{p:>10}{kept:>7}  {same_s:<22}{m['kl_mean']:>8.4f}"
-              f"{m['reuse']:>7.1%}{m['recompute']:>8.1%}{m['ttft_s']:>8.3f}  {_speed(m['speedup'])}")
+              f"{m['reuse']:>7.1%}{m['recompute']:>8.1%}{m['ttft_s']:>8.3f}  {ratio_speedup(m['speedup'])}")
         if "exact_vs_hf_block" in ex:
             e = ex["exact_vs_hf_block"]
             print(f"{'':<18}answers identical to the independent HF block construction: "
                   f"{round(e['rate'] * e['n'])}/{e['n']} [{e['lo']:.1%}, {e['hi']:.1%}]")
 
 
-def _speed(ratio: float) -> str:
-    """full / reuse as "N.NNx faster", or "N.NNx slower" below 1."""
-    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.cli_util import Parser, nonnegative_int, positive_int
 
-    ap = argparse.ArgumentParser(prog="kvboost-rag bench rag", description=__doc__.split("\n")[0])
+    ap = Parser(prog="kvboost-rag bench rag", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name, a local HF folder or a hub id")
     ap.add_argument("--split", choices=rc.SPLITS, default="eval",
                     help="tune: for tuning; eval: held out; heldout: the larger held-out set (288 questions, issue #24)")
-    ap.add_argument("--k", type=int, default=12, help="retrieved documents per question (gold included)")
-    ap.add_argument("--questions", type=int, default=None, help="first N questions (default: all)")
+    ap.add_argument("--k", type=positive_int, default=12, help="retrieved documents per question (gold included)")
+    ap.add_argument("--questions", type=positive_int, default=None, help="first N questions (default: all)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy tokens per answer (default 32)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     ap.add_argument("--warm-prefix", default=None, help="engine warm_prefix ('chat': behind the template's head)")
     ap.add_argument("--reader", default=None, metavar="DIR",
                     help="a reader adapter (kvboost-rag adapt) for every reuse setting; plain HF stays the base model")
     ap.add_argument("--block-adapter", default=None, metavar="DIR",
                     help="also run the 'block' setting: a second engine with this block adapter at repair='none', "
                          "checked against the independent HF block construction")
-    ap.add_argument("--json", dest="json_path")
-    ap.add_argument("--ttft-k", type=int, default=0,
+    ap.add_argument("--json", dest="json_path", help="write the result as JSON")
+    ap.add_argument("--ttft-k", type=nonnegative_int, default=0,
                     help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
-    ap.add_argument("--ttft-prompts", type=int, default=4, help="prompts for --ttft-k (default 4)")
-    ap.add_argument("--start", type=int, default=0, help="first question index (to split a run)")
+    ap.add_argument("--ttft-prompts", type=positive_int, default=4, help="prompts for --ttft-k (default 4)")
+    ap.add_argument("--start", type=nonnegative_int, default=0, help="first question index (to split a run)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="instead of running: merge result files of disjoint question slices")
     ap.add_argument("--plot", dest="plot_path", help="recompute share vs same answer / accuracy / speedup")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     chosen = {}
     for s in filter(None, args.settings.split(",")):  # "" runs full prefill (and --block-adapter's block) only
         if s not in SETTINGS:
             ap.error(f"--settings: unknown setting {s!r}; choose from {', '.join(SETTINGS)}")
         chosen[s] = SETTINGS[s]
-    from kvboost_rag import KVBoostRAG
-
     if args.merge:
         parts = []
         for f in args.merge:
@@ -422,17 +350,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(result)
         _save(result, args.json_path, args.plot_path)
         return 0
-    rag = KVBoostRAG.from_model_id(args.model, device="cpu", warm_prefix=args.warm_prefix,
-                                   reader_adapter=args.reader)
-    block_rag = None
-    if args.block_adapter:
-        block_rag = KVBoostRAG.from_model_id(args.model, device="cpu", block_adapter=args.block_adapter)
+    from kvboost_rag.app.loading import load_rag
+
+    rag = load_rag(args.model, warm_prefix=args.warm_prefix, reader_adapter=args.reader)  # --model checked first
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    block_rag = load_rag(args.model, block_adapter=args.block_adapter) if args.block_adapter else None
     if args.ttft_k:
+        from kvboost_rag.app.bench.rag_ttft import print_ttft, ttft_long
+
         result = ttft_long(rag, args.ttft_k, args.ttft_prompts, chosen, block_rag=block_rag)
-        print(f"{result['prompt_tokens_median']} prompt tokens (median), {args.ttft_prompts} prompts")
-        for s, t in result["ttft_s"].items():
-            sp = result["speedup"].get(s)
-            print(f"  {s:<22} TTFT {t:.3f} s" + (f"  {_speed(sp)}" if sp else ""))
+        print_ttft(result)
     else:
         result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens, start=args.start,
                      block_rag=block_rag)
@@ -447,6 +377,12 @@ def _save(result: dict[str, Any], json_path: str | None, plot_path: str | None) 
             json.dump(result, f, indent=1)
     if plot_path:
         plot_curve(result, plot_path)
+
+
+# the chat format (rag_chat) is re-exported: multiturn, demo_chat and older scripts import it from here
+__all__ = ["DEFAULT_MODEL", "SETTINGS", "SYSTEM", "Reference", "Row", "Summary", "first_sentence", "hf_greedy",
+           "main", "merge_runs", "messages", "plot_curve", "print_table", "run", "summaries", "summarize",
+           "user_message"]
 
 
 if __name__ == "__main__":

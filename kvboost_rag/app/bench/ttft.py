@@ -8,6 +8,8 @@ includes lookup, re-rotation, dequantization and repair. With the ``bench`` extr
 
 Workload B (chat): an 8-turn conversation; per turn, TTFT of ours against full prefill and exact-prefix caching.
 
+The models are :mod:`.models`' (named random-weight shapes, or a local model); the baselines :mod:`.baselines`'.
+
 Run ``kvboost-rag bench --shape qwen2.5-0.5b --json out.json --plot out.png`` (``--layers`` cuts the depth for a
 quick look).
 """
@@ -15,7 +17,6 @@ quick look).
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as _dt
 import json
 import os
@@ -23,68 +24,19 @@ import platform
 import random
 import re
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvboost_core.adapters import output_cache
-from kvboost_core.forward import record_traces
+from kvboost_rag.app.bench.baselines import ExactPrefixCache, full_prefill, timed
 from kvboost_rag.app.bench.flops import Shape, flop_summary, plot_flops, print_flops, speedup, trace_flops
+from kvboost_rag.app.bench.models import DTYPES, SHAPES, build_model, load_model, model_path
 from kvboost_rag.app.bench.quality import STORIES_DEFAULT, demo_accuracy, stories_fidelity
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
-    # real-scale timings on a GPU (bf16): 7.6B parameters, 15 GB of weights
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       max_position_embeddings=32768, tie_word_embeddings=False, rope_theta=1000000.0),
-    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
-}
+if TYPE_CHECKING:
+    import torch
+
 REUSE_METHODS = ("none", "selective", "cacheblend")
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def build_model(shape: str, layers: int | None, seed: int = 0, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """A random-weight model of a named shape and a small tokenizer trained on the fly. The weights are made
-    on ``device`` (a 7B shape initialised on the CPU first would take minutes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvboost_rag.tiny import tiny_tokenizer
-
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)} or pass --model PATH")
-    spec = dict(SHAPES[shape])
-    if layers is not None:
-        spec["num_hidden_layers"] = layers
-    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval(), tiny_tokenizer()
-
-
-def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval(), tok
-
-
-def _model_path(name: str) -> str:
-    """A local model directory, or a kvboost zoo short name (``smollm2-135m-instruct``) resolved offline."""
-    from kvboost_core import zoo
-
-    return zoo.resolve(name) if zoo.is_zoo_name(name) else name
 
 
 def _reuse_kwargs(method: str) -> dict[str, Any]:
@@ -100,62 +52,9 @@ def _block_rows() -> int:
     return attention.BLOCK_ROWS
 
 
-def _sync() -> None:
-    """GPU work is asynchronous: a timer must wait for it (a no-op on CPU)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Any) -> tuple[float, Any]:
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return time.perf_counter() - t0, out
-
-
-class ExactPrefixCache:
-    """What vLLM APC / SGLang reuse: the longest identical token prefix of any earlier prompt."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.entries: list[tuple[list[int], Any]] = []
-
-    @torch.inference_mode()
-    def first_token(self, ids: list[int]) -> tuple[float, int]:
-        best, best_n = None, 0
-        for prev, cache in self.entries:
-            n = 0
-            for a, b in zip(prev, ids):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_n = cache, n
-        best_n = min(best_n, len(ids) - 1)  # the last token is always computed: its logits are the output
-        cache = None
-        if best is not None and best_n > 0:
-            cache = copy.deepcopy(best)  # vLLM shares blocks without copying; keep the copy off the clock
-            cache.crop(best_n - cache.get_seq_length())  # transformers 5: a negative count drops tokens
-        _sync()
-        t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids[best_n:]], device=self.model.device), cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        tok = int(torch.argmax(out.logits[0, -1]))
-        dt = time.perf_counter() - t0
-        self.entries.append((list(ids), output_cache(out)))
-        self.entries = self.entries[-8:]
-        return dt, tok
-
-
-@torch.inference_mode()
-def full_prefill(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
-    """The fair baseline: HF forward of the whole prompt, logits for the last position only."""
-    return _timed(lambda: model(input_ids=torch.tensor([ids], device=model.device),
-                                logits_to_keep=1).logits[0, -1].float())
-
-
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    import torch
+
     lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got.float(), -1)
     return float((lp.exp() * (lp - lq)).sum())
 
@@ -172,7 +71,10 @@ def word_vocab(tok: Any, limit: int = 4096) -> list[int]:
 def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, question_tokens: int,
                seed: int = 0, system_tokens: int = 32, ratios: tuple[float, ...] = (),
                only: tuple[str, ...] = ()) -> dict[str, Any]:
+    import torch
+
     from kvboost_core import Segment
+    from kvboost_core.forward import record_traces
     from kvboost_rag.app.bench.peer import load_peer, peer_chunk_size, summarize
 
     rng = random.Random(seed)
@@ -189,7 +91,7 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
     if system_tokens <= len(lead):
         raise ValueError(f"system_tokens must exceed the {len(lead)} lead token(s), got {system_tokens}")
     system = [rng.choice(vocab) for _ in range(system_tokens - len(lead))]  # lead + system: system_tokens
-    warm_s, _ = _timed(lambda: engine.warm([Segment(token_ids=d) for d in corpus]))
+    warm_s, _ = timed(lambda: engine.warm([Segment(token_ids=d) for d in corpus]))
     apc = ExactPrefixCache(engine.model)
     # the cold path: our engine with an empty store that is never written (no hit of any kind)
     cold_engine = type(engine)(engine.model, engine.tokenizer, engine.config.with_(store="memory",
@@ -384,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="kvboost-rag bench rag --help: the real-model RAG answers benchmark; "
                                         "kvboost-rag bench multiturn --help: the multi-turn chat benchmark")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a local HF model directory")
+    src.add_argument("--model", help="a local HF model directory or a short name (smollm2-135m-instruct)")
     src.add_argument("--shape", default="qwen2.5-0.5b", help=f"random-weight shape: {', '.join(SHAPES)}")
     ap.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     ap.add_argument("--sizes", default="2,4,8", help="documents per query, comma-separated")
@@ -409,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args(argv)
+    if args.model:
+        from kvboost_rag.app.loading import check_model_arg
+
+        check_model_arg(args.model)  # one line at once, before torch loads
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.block_rows is not None:
@@ -420,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvboost_core.engine import KVEngine
 
-    dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
-    model, tok = (load_model(_model_path(args.model), args.device, dtype) if args.model
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")])
+    model, tok = (load_model(model_path(args.model), args.device, dtype) if args.model
                   else build_model(args.shape, args.layers, device=args.device, dtype=dtype))
     engine = KVEngine(model, tok, max_cache_bytes="16GiB")
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -476,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, args.plot_path)
         plot_flops(result, str(Path(args.plot_path).with_name(Path(args.plot_path).stem + "_flops.png")))
     return 0
+
+
+# re-exported: tests and benchmarks build their models from here
+__all__ = ["DTYPES", "SHAPES", "ExactPrefixCache", "build_model", "full_prefill", "load_model", "main", "plot",
+           "word_vocab", "workload_a", "workload_b"]
 
 
 if __name__ == "__main__":
