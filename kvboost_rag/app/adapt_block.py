@@ -111,7 +111,7 @@ def prepare(rag: Any, chat: Chat, max_new_tokens: int, teacher_model: Any) -> Sa
     segs = engine.tokenize(plan.segments, add_special_tokens=False)
     ids = [t for s in segs for t in s.token_ids]
     runs = block_runs(segs, engine.config.sink_tokens)
-    answer, logp = teacher(teacher_model, ids, max_new_tokens, set(engine._eos))
+    answer, logp = teacher(teacher_model, ids, max_new_tokens, set(engine.eos_token_ids))
     return Sample(ids, runs, answer, logp)
 
 
@@ -122,7 +122,7 @@ def register(rag: Any, texts: Sequence[str]) -> None:
 
     for text in dict.fromkeys(texts):
         if rag.registry.by_text(text) is None:
-            _register(rag.registry, rag._encode_doc, text, rag.engine._encode(text))
+            _register(rag.registry, rag._encode_doc, text, rag.engine.encode(text))
 
 
 def student_logp(model: Any, lead: Sequence[int], s: Sample) -> torch.Tensor:
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rag = KVBoostRAG.from_model_id(args.model, device="cpu", auto_calibrate=False, repair="none")
     engine = rag.engine
-    lead = list(engine._warm_prefix)
+    lead = list(engine.warm_prefix_ids)
     tune = rc.load_corpus("tune")
     synth = synthetic_corpus(args.synth_docs, args.seed)
     n_synth = round(args.samples * args.synth_share)

@@ -150,7 +150,7 @@ def run(rag: Any, conversations: int, turns: int, k: int, max_new_tokens: int, s
     warm_s = time.perf_counter() - t0
     engine = rag.engine
     model, tok = engine.model, engine.tokenizer
-    eos = set(engine._eos)
+    eos = set(engine.eos_token_ids)
     rows: list[Turn] = []
     for c in range(conversations):
         apc = PrefixReuse(model)

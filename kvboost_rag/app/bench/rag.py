@@ -188,7 +188,7 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     warm_s = time.perf_counter() - t0
     if block_rag is not None:
         block_rag.warm_documents(texts, progress=False)
-    eos = set(engine._eos)
+    eos = set(engine.eos_token_ids)
     rows: dict[str, list[Row]] = {"full": []}
     for s in settings:
         rows[s] = []
@@ -256,7 +256,7 @@ def _block_exact(block_rag: Any, prompt: str, special: bool, res: Any, max_new_t
     plan = block_rag.plan(prompt, add_special_tokens=special)
     segs = eng.tokenize(plan.segments, add_special_tokens=False)
     ids = [t for s in segs for t in s.token_ids]
-    _, tokens = block_greedy(eng.model, ids, block_runs(segs, eng.config.sink_tokens), list(eng._warm_prefix),
+    _, tokens = block_greedy(eng.model, ids, block_runs(segs, eng.config.sink_tokens), list(eng.warm_prefix_ids),
                              max_new_tokens, eos, encoded)
     return ids == list(res.prompt_token_ids) and tokens == list(res.token_ids)
 
