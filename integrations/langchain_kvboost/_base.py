@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from kvboost_core.engine import KVEngine
+from kvboost_core import KVEngine
 from kvboost_rag import KVBoostRAG, WarmReport
 from kvboost_rag.adapter import load_engine
 from kvboost_rag.aio import aiter_in_thread

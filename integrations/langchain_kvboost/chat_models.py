@@ -33,7 +33,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import run_in_executor
 from pydantic import Field, model_validator
 
-from kvboost_core.results import GenerationResult
+from kvboost_core import GenerationResult
 from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
 from kvboost_rag.toolcalls import CallTextStream, chat_inputs
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread, field_spellings

@@ -14,7 +14,7 @@ from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
 
-from kvboost_core.results import GenerationResult
+from kvboost_core import GenerationResult
 from kvboost_rag.adapter import call_info, openai_finish_reason
 from langchain_kvboost._base import KVBoostFields, aiter_in_thread
 

@@ -20,7 +20,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
 )
 
-from kvboost_core.results import GenerationResult
+from kvboost_core import GenerationResult
 from kvboost_rag.adapter import call_info, openai_finish_reason, usage_counts
 
 
