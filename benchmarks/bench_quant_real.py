@@ -34,9 +34,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvboost_core import Segment  # noqa: E402
 from kvboost_core.fidelity import compare_logits  # noqa: E402
 from kvboost_core.quant import bytes_per_token, quantize_payload  # noqa: E402
-from kvboost_core.segments import Segment  # noqa: E402
 from kvboost_core.store.base import DensePayload  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -67,7 +67,7 @@ def probe_prompts(tok: Any, n: int) -> list[list[int]]:
 
 def exact_prefix(model: Any, tok: Any, ps: list[list[int]], refs: list[torch.Tensor], bits: int | None,
                  group: int) -> dict[str, Any]:
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
 
     eng = KVEngine(model, tok, kv_bits=bits, kv_group_size=group)
     kls, agree, quantized, reused = [], [], 0, 0
@@ -90,7 +90,7 @@ def exact_prefix(model: Any, tok: Any, ps: list[list[int]], refs: list[torch.Ten
 
 
 def rag_answers(name: str, n: int, baseline: dict[str, Any], log: Any = print) -> dict[str, Any]:
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
     from kvboost_rag import KVBoostRAG
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.bench.rag import first_sentence, messages

@@ -118,8 +118,7 @@ def bench_cold_start(tokens: int, seed: int = 0) -> dict[str, Any]:
     a fresh engine on the same directory (index rebuilt by scanning, page cache dropped) then answers the
     same context with a new question. TTFT from the call's start: lookup, reads, checksums, dequantization,
     placement, and the fresh tail."""
-    from kvboost_core import Segment
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine, Segment
     from kvboost_rag.app.bench.ttft import build_model
 
     model, tok = build_model("qwen2.5-0.5b", None)

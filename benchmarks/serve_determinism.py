@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from bench_serve import SMOLLM, workload
 
-    from kvboost_core.decode import SamplingParams
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine, SamplingParams
     from kvboost_rag import KVBoostRAG
     from kvboost_rag.app.loading import load_engine
     from kvboost_rag.app.server import scheduler as sm

@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from bench_serve import SMOLLM
 
-    from kvboost_core.decode import SamplingParams
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine, SamplingParams
     from kvboost_rag import KVBoostRAG
     from kvboost_rag.app import demo_data as dd
     from kvboost_rag.app.loading import load_engine
@@ -108,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def warm_row(base: Any, records: list[str], n: int, budget: int, n_docs: int) -> dict[str, Any]:
     """One running request; a warm of ``n_docs`` new documents arrives; gaps while it is warmed."""
-    from kvboost_core.decode import SamplingParams
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine, SamplingParams
     from kvboost_rag import KVBoostRAG
     from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
 

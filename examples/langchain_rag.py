@@ -18,7 +18,7 @@ from langchain_core.documents import Document
 from langchain_core.prompts import PromptTemplate
 from langchain_kvboost import KVBoostLLM, KVHashEmbeddings, add_documents_warmed
 
-from kvboost_core.engine import KVEngine
+from kvboost_core import KVEngine
 from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer
 
 PROMPT = PromptTemplate.from_template(

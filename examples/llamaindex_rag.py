@@ -18,7 +18,7 @@ from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.schema import Document
 from llama_index.llms.kvboost import KVBoostLLM, KVHashEmbedding, KVWarmer, StableOrderPostprocessor
 
-from kvboost_core.engine import KVEngine
+from kvboost_core import KVEngine
 
 
 def _tiny() -> tuple[object, object, list[str]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvboost_core.engine import KVEngine
+from kvboost_core import KVEngine
 from kvboost_rag import KVBoostRAG
 from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer
 

@@ -1,7 +1,19 @@
 """kvboost_core: position-independent KV cache reuse for HuggingFace RoPE decoder models.
 
-``from kvboost_core import KVEngine`` works; the engine (and with it torch and transformers) is imported on
-first use of the name, so ``import kvboost_core`` stays light (PEP 562 module ``__getattr__``).
+The public API is what this package exports (``__all__``); the application layer, the integrations and the
+benchmarks import from here, so the modules behind it can change without touching them:
+
+- the engine: :class:`KVEngine` (``warm``, ``prefill``, ``generate``, ``stream``, ``verify``, ``calibrate``,
+  ``stats``; read-only ``eos_token_ids`` and ``warm_prefix_ids``), its :class:`EngineConfig` and
+  :class:`GenerationStream`;
+- prompts: :class:`Segment` (a document, or text between documents);
+- results: :class:`GenerationResult`, :class:`PrefillResult`, :class:`WarmResult`;
+- sampling: :class:`SamplingParams`, :data:`LogitsProcessor`, :class:`StopGeneration` (raised by a logits
+  processor to end a generation).
+
+Stores are public in :mod:`kvboost_core.store`, model short names in :mod:`kvboost_core.zoo`. Names other than
+these are internal. ``import kvboost_core`` stays light: a name that needs torch (the engine, sampling) is
+imported on its first use (PEP 562 module ``__getattr__``).
 """
 
 from __future__ import annotations
@@ -12,15 +24,20 @@ from kvboost_core.config import EngineConfig
 from kvboost_core.lazy import lazy_exports
 from kvboost_core.segments import Segment
 
-_LAZY = {"KVEngine": "kvboost_core.engine", "GenerationResult": "kvboost_core.results",
-         "WarmResult": "kvboost_core.results"}
+_LAZY = {"KVEngine": "kvboost_core.engine", "GenerationStream": "kvboost_core.generation",
+         "GenerationResult": "kvboost_core.results", "PrefillResult": "kvboost_core.results",
+         "WarmResult": "kvboost_core.results", "SamplingParams": "kvboost_core.decode",
+         "LogitsProcessor": "kvboost_core.decode", "StopGeneration": "kvboost_core.decode"}
 
 if TYPE_CHECKING:
+    from kvboost_core.decode import LogitsProcessor, SamplingParams, StopGeneration
     from kvboost_core.engine import KVEngine
-    from kvboost_core.results import GenerationResult, WarmResult
+    from kvboost_core.generation import GenerationStream
+    from kvboost_core.results import GenerationResult, PrefillResult, WarmResult
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
-__all__ = ["EngineConfig", "GenerationResult", "KVEngine", "Segment", "WarmResult"]
+__all__ = ["EngineConfig", "GenerationResult", "GenerationStream", "KVEngine", "LogitsProcessor", "PrefillResult",
+           "SamplingParams", "Segment", "StopGeneration", "WarmResult"]

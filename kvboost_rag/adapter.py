@@ -22,10 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvboost_core import Segment
-from kvboost_core.decode import StopGeneration
-from kvboost_core.engine import KVEngine
-from kvboost_core.results import GenerationResult
+from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration
 from kvboost_core.segments import lead_token_ids
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align

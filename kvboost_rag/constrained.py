@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from kvboost_rag.json_schema import closed_schema
 
 if TYPE_CHECKING:
-    from kvboost_core.results import GenerationResult
+    from kvboost_core import GenerationResult
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -154,7 +154,7 @@ class JsonConstraint:
     def __call__(self, generated_ids: list[int], logits: Any) -> Any:
         import torch
 
-        from kvboost_core.decode import StopGeneration
+        from kvboost_core import StopGeneration
 
         t = time.perf_counter()
         try:

@@ -175,7 +175,7 @@ def check_engine_kwargs(engine_kw: Mapping[str, Any], *, owner: str) -> None:
     a TypeError naming it and a bad value the config's own error, at once rather than after the load."""
     from dataclasses import fields
 
-    from kvboost_core.config import EngineConfig
+    from kvboost_core import EngineConfig
 
     names = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(engine_kw) - names - {"config"})

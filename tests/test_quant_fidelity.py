@@ -47,13 +47,13 @@ def test_quantized_exact_prefix_fidelity(stories, report, bits, goal, max_kl):
 
 def test_pre_rope_key_storage_beats_post_rope_at_int4(stories, report, monkeypatch):
     """Side by side on the same prompts: keys quantized before RoPE (the default) vs after it."""
-    import kvboost_core.engine as engine_mod
+    import kvboost_core.prefill as prefill_mod
 
     model, tok = stories
     prompts = _prompts(tok, 80)
     _, kl_pre, *_ = _exact_prefix_run(model, tok, 4, prompts)
-    real = engine_mod.maybe_quantize
-    monkeypatch.setattr(engine_mod, "maybe_quantize", lambda d, b, g, **kw: real(d, b, g))  # post-RoPE keys
+    real = prefill_mod.maybe_quantize
+    monkeypatch.setattr(prefill_mod, "maybe_quantize", lambda d, b, g, **kw: real(d, b, g))  # post-RoPE keys
     _, kl_post, *_ = _exact_prefix_run(model, tok, 4, prompts)
     pre, post = statistics.fmean(kl_pre), statistics.fmean(kl_post)
     report.append(f"stories260K int4 exact-prefix mean KL, {len(prompts)} prompts: pre-RoPE keys {pre:.2e} vs "

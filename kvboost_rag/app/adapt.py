@@ -77,7 +77,7 @@ def build_samples(rag: Any, corpus: Any, n: int, ks: Sequence[int], max_new_toke
     student = dict(student or {"repair": "none"})
     rag.warm_documents([rc.doc_text(d) for d in corpus.documents], show_progress=False)
     engine = rag.engine
-    eos = set(engine._eos)
+    eos = set(engine.eos_token_ids)
     pool: list[tuple[Any, list[Any]]] = []
     round_ = 0
     while len(pool) < n:

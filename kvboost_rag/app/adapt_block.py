@@ -107,7 +107,7 @@ def prepare(rag: Any, chat: Chat, max_new_tokens: int, teacher_model: Any) -> Sa
     plan = block_plan(rag, prompt, rag.chat_add_special_tokens(prompt))
     if not plan.documents:
         return None
-    answer, logp = teacher(teacher_model, plan.ids, max_new_tokens, set(rag.engine._eos))
+    answer, logp = teacher(teacher_model, plan.ids, max_new_tokens, set(rag.engine.eos_token_ids))
     return Sample(plan.ids, plan.runs, answer, logp)
 
 
@@ -118,7 +118,7 @@ def register(rag: Any, texts: Sequence[str]) -> None:
 
     for text in dict.fromkeys(texts):
         if rag.registry.by_text(text) is None:
-            _register(rag.registry, rag._encode_doc, text, rag.engine._encode(text))
+            _register(rag.registry, rag._encode_doc, text, rag.engine.encode(text))
 
 
 def student_logp(model: Any, lead: Sequence[int], s: Sample) -> torch.Tensor:
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # here, so the adapter's initial weights do not depend on how the model loaded
     os.makedirs(args.out, exist_ok=True)
     engine = rag.engine
-    lead = list(engine._warm_prefix)
+    lead = list(engine.warm_prefix_ids)
     tune = rc.load_corpus("tune")
     synth = synthetic_corpus(args.synth_docs, args.seed)
     n_synth = round(args.samples * args.synth_share)

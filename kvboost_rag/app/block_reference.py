@@ -46,8 +46,8 @@ def block_reference(rag: Any, plan: BlockPlan, max_new_tokens: int, encoded: dic
     from kvboost_core.block_prefill import block_greedy
 
     engine = rag.engine
-    return block_greedy(engine.model, plan.ids, plan.runs, list(engine._warm_prefix), max_new_tokens,
-                        set(engine._eos), encoded)
+    return block_greedy(engine.model, plan.ids, plan.runs, list(engine.warm_prefix_ids), max_new_tokens,
+                        set(engine.eos_token_ids), encoded)
 
 
 def served_as_reference(rag: Any, prompt: str, add_special_tokens: bool, prompt_ids: Sequence[int],

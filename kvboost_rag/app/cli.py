@@ -116,7 +116,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return demo_chat.run(args.model, args.questions, args.top_k or 12, args.max_new_tokens or 40,
                              progress=False if args.no_progress else None)
     args.top_k, args.max_new_tokens = args.top_k or 4, args.max_new_tokens or 12
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
     from kvboost_rag import KVBoostRAG
 
     try:

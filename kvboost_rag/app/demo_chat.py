@@ -109,7 +109,7 @@ def reference(chat: Any, messages: Sequence[Mapping[str, str]], max_new_tokens: 
     prompt = rag.chat_prompt([dict(m) for m in messages])
     ids = rag.encode(prompt, rag.chat_add_special_tokens(prompt))
     eng = rag.engine
-    return hf_greedy(eng.model, eng.tokenizer, ids, max_new_tokens, set(eng._eos))
+    return hf_greedy(eng.model, eng.tokenizer, ids, max_new_tokens, set(eng.eos_token_ids))
 
 
 def ask_chain(chain: Any, chat: Any, q: rc.CorpusQuestion, max_new_tokens: int, clock: Clock) -> Turn:

@@ -74,7 +74,7 @@ def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Lo
     random model (and says so) instead of failing."""
     if not (model.startswith((".", "/", "~")) or Path(model).exists()):  # a path is checked below
         check_model_name(model)
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
 
     if model == DEMO and not dd.demo_model_available():
         if not allow_tiny:
@@ -90,7 +90,7 @@ def load_engine(model: str, *, allow_tiny: bool = False, **engine_kw: Any) -> Lo
     label = "kvboost demo model" if model == DEMO else model
     if model != DEMO and (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).is_dir():
         raise UserError(f"--model {model}: no such model directory")
-    from kvboost_core.config import EngineConfig
+    from kvboost_core import EngineConfig
 
     EngineConfig(**engine_kw)  # a bad engine option is reported as itself, not as a model that fails to load
     try:

@@ -189,7 +189,7 @@ def run(rags: dict[str, Any], conversations: int, turns: int, k: int, max_new_to
         warm_s[name] = time.perf_counter() - t0
     first = next(iter(rags.values()))
     model, tok = first.engine.model, first.engine.tokenizer
-    eos = set(first.engine.eos_token_ids) if hasattr(first.engine, "eos_token_ids") else set(first.engine._eos)
+    eos = set(first.engine.eos_token_ids)
     rows: list[Turn] = []
     for c in range(conversations):
         apc = PrefixReuse(model)

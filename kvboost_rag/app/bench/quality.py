@@ -30,7 +30,7 @@ def demo_accuracy(n_questions: int, model_dir: Path | str = dd.DEMO_MODEL_DIR,
         raise ValueError(f"n_questions must be >= 1, got {n_questions}")
     if not dd.demo_model_available(model_dir):
         return {"skipped": f"no demo model in {model_dir} (train one with scripts/train_demo_model.py)"}
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
     from kvboost_rag import KVBoostRAG
 
     t0 = time.perf_counter()

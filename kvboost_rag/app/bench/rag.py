@@ -175,7 +175,7 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     warm_s = time.perf_counter() - t0
     if block_rag is not None:
         block_rag.warm_documents(texts, progress=False)
-    eos = set(engine._eos)
+    eos = set(engine.eos_token_ids)
     rows: dict[str, list[Row]] = {"full": []}
     for s in settings:
         rows[s] = []

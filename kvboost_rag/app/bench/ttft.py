@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA build of torch and a visible GPU; use --device cpu")
 
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
 
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")])
     model, tok = (load_model(model_path(args.model), args.device, dtype) if args.model

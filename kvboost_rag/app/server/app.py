@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvboost_core.decode import SamplingParams
+from kvboost_core import SamplingParams
 from kvboost_rag.app.server import catalogue
 from kvboost_rag.app.server import protocol as P
 from kvboost_rag.app.server.protocol import APIError

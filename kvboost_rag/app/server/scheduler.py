@@ -338,7 +338,7 @@ class Scheduler:
         assert r.stream is not None and r.slot is not None
         r.generated.append(token)
         reason = None
-        if not r.ignore_eos and token in r.rag.engine._eos:
+        if not r.ignore_eos and token in r.rag.engine.eos_token_ids:
             reason = "eos"
         else:
             piece = r.stream.push(token)

@@ -50,7 +50,7 @@ class ServerState:
         with self._lock:
             rag = self._rags.get(namespace)
             if rag is None:
-                from kvboost_core.engine import KVEngine
+                from kvboost_core import KVEngine
                 from kvboost_rag import KVBoostRAG
 
                 eng = self.base.engine

@@ -61,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without llama-in
     raise ImportError(f"llama_index.llms.kvboost needs llama-index-core: {_HINT}") from exc
 
 if TYPE_CHECKING:
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
     from kvboost_rag.adapter import KVBoostRAG
 
 # Per-call engine options complete()/stream_complete() accept as keyword arguments (max_tokens is an alias
@@ -89,7 +89,7 @@ def _as_rag(obj: Any, *, transparent: bool = True, preserve_order: bool = False)
     cls = _rag_class()
     if isinstance(obj, cls):
         return obj
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
 
     if isinstance(obj, KVEngine):
         return cls(obj, transparent=transparent, preserve_order=preserve_order)

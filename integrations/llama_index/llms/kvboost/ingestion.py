@@ -21,7 +21,7 @@ from llama_index.llms.kvboost.base import _as_rag, registry_key, render_node
 if TYPE_CHECKING:
     from llama_index.llms.kvboost.base import KVBoostLLM
 
-    from kvboost_core.engine import KVEngine
+    from kvboost_core import KVEngine
     from kvboost_rag.adapter import KVBoostRAG
 
 

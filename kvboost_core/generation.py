@@ -1,0 +1,161 @@
+"""Generation: prefill (:mod:`kvboost_core.prefill`), then the decode loop, as a whole result or a text stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvboost_core.backfill import FOLLOW_UP_WAIT_S, conversation_job
+from kvboost_core.config import validate_flag
+from kvboost_core.decode import (
+    LogitsProcessor,
+    SamplingParams,
+    TextStream,
+    check_logits_processor,
+    process_and_sample,
+)
+from kvboost_core.exact_history import BackfillMixin
+from kvboost_core.forward import decode_step
+from kvboost_core.results import GenerationResult
+
+
+class GenerationStream:
+    """An iterator of text pieces; ``result`` is set when it is exhausted."""
+
+    def __init__(self, engine: GenerationMixin, prompt: Any, params: SamplingParams, kw: dict[str, Any]) -> None:
+        self._holder: dict[str, GenerationResult] = {}
+        self._it = engine._run(prompt, params, holder=self._holder, **kw)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                piece = next(self._it)
+            except StopIteration:
+                self.result = self._holder.get("result")
+                raise
+            if piece:
+                return piece
+
+
+
+class GenerationMixin(BackfillMixin):
+    """``generate()`` and ``stream()``."""
+
+    def stream(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               stop: str | Sequence[str] | None = None, seed: int | None = None, *,
+               logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationStream:
+        """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
+        :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece.
+        ``logits_processor``: see :meth:`generate`."""
+        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
+        self._check_run_kw(kw)
+        check_logits_processor(logits_processor)
+        return GenerationStream(self, prompt, params, dict(kw, logits_processor=logits_processor))
+
+    _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
+               "reuse_repaired", "recompute_mass", "query_tokens", "recheck_layer", "recheck_ratio")
+
+    def _check_run_kw(self, kw: dict[str, Any]) -> None:
+        unknown = sorted(set(kw) - set(self._RUN_KW))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; accepted: {', '.join(self._RUN_KW)}")
+        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
+                          kw.get("reuse_repaired", True), kw.get("recompute_mass"), kw.get("query_tokens"),
+                          kw.get("recheck_layer"), kw.get("recheck_ratio"))
+        validate_flag("add_special_tokens", kw.get("add_special_tokens"))
+        validate_flag("store_prefix", kw.get("store_prefix"))
+
+    def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, *,
+                 logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationResult:
+        """Generate a completion of ``prompt`` (document KV reused as in :meth:`prefill`).
+
+        ``logits_processor(generated_ids, logits) -> logits`` is applied to the next-token logits (float32,
+        shape (V,)) before every token is sampled, the first one included; it may raise
+        :class:`kvboost_core.decode.StopGeneration` to end the generation (``finish_reason == "stop"``).
+        It only changes which token is picked: prefill, reuse and the stats are those of a plain call."""
+        holder: dict[str, GenerationResult] = {}
+        params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
+        self._check_run_kw(kw)
+        check_logits_processor(logits_processor)
+        for _ in self._run(prompt, params, holder=holder, logits_processor=logits_processor, **kw):
+            pass
+        return holder["result"]
+
+    def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, *, repair: str | None = None,
+             recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
+             add_special_tokens: bool | None = None, store_prefix: bool | None = None,
+             reuse_repaired: bool = True, recompute_mass: float | None = None,
+             query_tokens: int | None = None, recheck_layer: int | None = None,
+             recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
+        t0 = time.perf_counter()
+        if self.config.backfill:  # a follow-up of a turn still being backfilled waits for its exact history
+            self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
+        with self._backfill.request():  # no backfill step starts while this request runs
+            yield from self._run_request(prompt, params, holder, t0, repair, recompute_ratio, select, check_layer,
+                                         add_special_tokens, store_prefix, reuse_repaired, recompute_mass,
+                                         query_tokens, recheck_layer, recheck_ratio, logits_processor)
+
+    def _run_request(self, prompt: Any, params: SamplingParams, holder: dict | None, t0: float, repair: str | None,
+                     recompute_ratio: float | None, select: str | None, check_layer: int | None,
+                     add_special_tokens: bool | None, store_prefix: bool | None, reuse_repaired: bool,
+                     recompute_mass: float | None, query_tokens: int | None, recheck_layer: int | None,
+                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None) -> Iterator[str]:
+        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
+                                 query_tokens, recheck_layer, recheck_ratio)
+        prepared = self._prompt_chunks(prompt, add_special_tokens)
+        pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0, prepared)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
+        generated: list[int] = []
+        # The processor may mask in place: it gets a copy, so the result's first_logits stay the model's own.
+        first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
+        token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
+        ttft = time.perf_counter() - t0
+        self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
+
+        capacity = cache.keys[0].shape[2]
+        all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
+        all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)
+        text = TextStream(self.tokenizer, params.stop)
+        pos = len(pre.token_ids)
+        finish = "length"
+        while True:
+            if token is None:  # the logits processor ended the generation
+                finish = "stop"
+                break
+            generated.append(token)
+            if token in self._eos:
+                finish = "eos"
+                break
+            yield text.push(token)
+            if text.stopped:
+                finish = "stop"
+                break
+            if len(generated) >= params.max_new_tokens or pos >= capacity:
+                finish = "length"
+                break
+            all_ids[pos] = token
+            if cache.hf is not None:
+                logits = self.adapter.hf_step(cache, token)
+            else:
+                logits = decode_step(self.adapter, all_ids, pos, cache)
+            pos += 1
+            token = process_and_sample(logits_processor, generated, logits.float(), params, generator)
+        yield text.flush()
+        if holder is not None:
+            stats = dict(pre.stats, ttft_s=ttft, finish_reason=finish)
+            holder["result"] = GenerationResult(
+                text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
+                total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
+                stats=stats, first_logits=pre.last_logits)
+        if self._backfills(store_prefix):
+            self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self._spans))
