@@ -205,7 +205,9 @@ def test_help_imports_neither_torch_nor_transformers():
     assert "--allow-degraded" in out.stdout and "cacheblend" in out.stdout  # options and choices documented
 
 
-LIGHT = [(["bench", "--help"], 0), (["bench", "rag", "--help"], 0), (["adapt", "--help"], 0),
+LIGHT = [(["bench", "--help"], 0), (["bench", "rag", "--help"], 0), (["bench", "multiturn", "--help"], 0),
+         (["bench", "multiturn", "--turns", "x"], 2), (["bench", "multiturn", "--model", "nope"], 2),
+         (["adapt", "--help"], 0),
          (["adapt", "--block", "--help"], 0), (["bench", "rag", "--settings", "bogus"], 2),
          (["bench", "rag", "--k", "0"], 2), (["bench", "--rounds", "x"], 2), (["adapt", "--out", "o", "--k", "a"], 2),
          (["adapt", "--block", "--out", "o", "--synth-share", "2"], 2),
@@ -234,7 +236,8 @@ def test_bench_and_adapt_help_and_errors_import_no_torch():
 
 
 BAD_MODEL = [["bench", "rag", "--model", "nope"], ["bench", "rag", "--model", "/nonexistent/model-dir"],
-             ["bench", "--model", "nope"], ["adapt", "--model", "nope", "--out", "o"],
+             ["bench", "--model", "nope"], ["bench", "multiturn", "--model", "nope"],
+             ["adapt", "--model", "nope", "--out", "o"],
              ["adapt", "--block", "--model", "nope", "--out", "o"]]
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvboost_rag.app.bench.flops import speedup
+from kvboost_rag.app.bench.prefix import longest_prefix
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -114,15 +115,7 @@ class PrefixReuse:
         self.entries: list[tuple[list[int], Any]] = []
 
     def hit(self, ids: list[int]) -> tuple[int, Any]:
-        best_n, best = 0, None
-        for seq, cache in self.entries:
-            n = 0
-            for a, b in zip(seq, ids):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
-                best_n, best = n, cache
+        best_n, best = longest_prefix(self.entries, ids)
         return min(best_n, len(ids) - 1), best  # the last prompt token is always computed
 
     def first_token(self, ids: list[int]) -> tuple[float, int, int]:
@@ -311,13 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    from kvboost_rag.app.loading import check_model_arg, load_rag
+
+    check_model_arg(args.model)  # one line at once, before torch loads
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvboost_rag import KVBoostRAG
-
-    rags = {name: KVBoostRAG.from_model_id(args.model, device="cpu", **VARIANTS[name]) for name in names}
+    rags = {name: load_rag(args.model, **VARIANTS[name]) for name in names}
     if VARIANTS[names[0]].get("block_adapter"):
         ap.error("--variants: the first variant's model is HF's reference; put a base-model variant first")
 
