@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention, replay
+from kvboost_core import attention, replay, slices
 from kvboost_core.adapters import ModelAdapter, ScatterCache
 
 # score(fresh_k, cached_k, fresh_v, cached_v, positions) -> (n,) higher = recompute first
@@ -205,6 +205,7 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                 projected = contextlib.nullcontext()
                 trace.tokens_per_layer.append(int(positions.numel()))
                 _record(trace, recording, adapter, layer, positions, length, masks[layer])
+                slices.layer_done(int(positions.numel()), adapter.num_layers)  # a sliced call may pause here
         finally:
             cache.on_update = None
             cache.positions = None

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from conftest import CORPUS
 
 from kvboost_core.decode import SamplingParams
@@ -24,16 +25,12 @@ from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
 DOCS = [f"Document {i}: " + " ".join(f"fact{i}-{j} is true." for j in range(12)) for i in range(8)]
 
 
-def test_warm_requests_are_interleaved_with_decode_steps(tokenizer, tiny_llama):
-    """A warm of several documents runs a piece per scheduler iteration, with a decode step of the running
-    request between every two pieces (it used to run whole, as one task, between two decode steps)."""
-    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
-    warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
-    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4, warm_budget=1)  # one document a piece
-    log: list[str] = []
-    step, warm = sched.decoder.step, warm_rag.warm_documents
+def _decode_while_warming(rag: Any, warm_rag: Any, docs: list[str], budget: int, log: list[str]) -> Any:
+    """A request decodes; ``docs`` are warmed into ``warm_rag`` through the scheduler meanwhile. Logs "step"
+    per decode step and "layer" per layer the warm computes; returns the finished job."""
+    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4, warm_budget=budget)
+    step = sched.decoder.step
     sched.decoder.step = lambda *a, **kw: (log.append("step"), step(*a, **kw))[1]  # type: ignore[method-assign]
-    warm_rag.warm_documents = lambda *a, **kw: (log.append("warm"), warm(*a, **kw))[1]  # type: ignore[method-assign]
     done = threading.Event()
     req = GenRequest(rag=rag, params=SamplingParams.create(200), ignore_eos=True, prompt=CORPUS[0],
                      emit=lambda kind, payload: (kind in ("done", "error")) and done.set())
@@ -42,8 +39,8 @@ def test_warm_requests_are_interleaved_with_decode_steps(tokenizer, tiny_llama):
         sched.submit(req)
         while "step" not in log:  # the stream is running
             threading.Event().wait(0.01)
-        job = sched.warm(warm_rag, DOCS)
-        totals = job.future.result(timeout=120)
+        job = sched.warm(warm_rag, docs)
+        job.future.result(timeout=120)
         sched.cancel(req)  # a cancelled request is dropped without an event: wait until it has left the batch
         for _ in range(6000):
             if not sched.running or done.is_set():
@@ -52,13 +49,86 @@ def test_warm_requests_are_interleaved_with_decode_steps(tokenizer, tiny_llama):
         assert not sched.running or done.is_set()
     finally:
         sched.shutdown()
-    assert totals.documents == len(DOCS) and totals.warmed == len(DOCS) and job.steps == len(DOCS)
+    return job
+
+
+@pytest.fixture
+def layer_log(monkeypatch):
+    """'layer' in the returned list for every layer a sliced call (the warm's thread) computes."""
+    from kvboost_core import slices
+
+    log: list[str] = []
+    own = slices.layer_done
+
+    def spy(rows: int, layers: int) -> None:
+        if getattr(slices._LOCAL, "hook", None) is not None:
+            log.append("layer")
+        own(rows, layers)
+
+    monkeypatch.setattr(slices, "layer_done", spy)
+    return log
+
+
+def test_warm_requests_are_interleaved_with_decode_steps(tokenizer, tiny_llama, layer_log):
+    """A warm runs a slice per scheduler iteration, with a decode step of the running request between every
+    two slices. It used to run whole, as one task, between two decode steps, and then a document at a time:
+    a long document still stalled every stream for its whole forward. Budget 1: one layer per slice."""
+    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    job = _decode_while_warming(rag, warm_rag, DOCS, 1, layer_log)
+    totals = job.future.result()
+    layers = warm_rag.engine.adapter.num_layers
+    assert totals.documents == len(DOCS) and totals.warmed == len(DOCS)
     assert all(warm_rag.is_warm(d) for d in DOCS)
-    first, last = log.index("warm"), len(log) - 1 - log[::-1].index("warm")
-    between = log[first:last + 1]
-    assert between.count("warm") == len(DOCS)
-    # every two warm pieces have a decode step between them
-    assert all(between[i + 1] == "step" for i, e in enumerate(between[:-1]) if e == "warm"), between
+    first, last = layer_log.index("layer"), len(layer_log) - 1 - layer_log[::-1].index("layer")
+    between = layer_log[first:last + 1]
+    assert between.count("layer") == len(DOCS) * layers and job.steps >= len(DOCS) * layers
+    # every two warm slices (a layer each) have a decode step between them
+    assert all(between[i + 1] == "step" for i, e in enumerate(between[:-1]) if e == "layer"), between
+
+
+def test_a_larger_budget_takes_fewer_slices(tokenizer, tiny_llama, layer_log):
+    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    tokens = sum(len(warm_rag.engine.tokenize_ids(d)) for d in DOCS[:4])
+    job = _decode_while_warming(rag, warm_rag, DOCS[:4], tokens // 2, layer_log)
+    assert 2 <= job.steps <= 4 and job.future.result().warmed == 4  # about half the tokens per slice
+
+
+def test_a_sliced_warm_stores_the_same_bits_as_an_in_process_warm(tokenizer, tiny_llama):
+    """Pausing between layers changes no computation: every stored tensor equals the plain warm's."""
+    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    sliced = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    plain = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    stored: dict[str, dict[Any, Any]] = {"sliced": {}, "plain": {}}
+    for name, r in (("sliced", sliced), ("plain", plain)):
+        put = r.engine.store.put
+        r.engine.store.put = (lambda key, block, _put=put, _seen=stored[name], **kw:  # type: ignore[method-assign]
+                              (_seen.__setitem__(key, block), _put(key, block, **kw))[1])
+    _decode_while_warming(rag, sliced, DOCS[:3], 1, [])
+    plain.warm_documents(DOCS[:3], progress=False)
+    assert stored["plain"] and stored["plain"].keys() == stored["sliced"].keys()
+    for key, a in stored["plain"].items():
+        b = stored["sliced"][key]
+        assert list(a.token_ids) == list(b.token_ids) and a.base_position == b.base_position
+        (ka, va), (kb, vb) = a.payload.to_dense(torch.float32, "cpu"), b.payload.to_dense(torch.float32, "cpu")
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_shutdown_stops_a_paused_warm(tokenizer, tiny_llama):
+    """A server shutting down in the middle of a warm answers it 503 and its paused thread ends."""
+    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    sched = Scheduler(rag.engine.adapter, max_batch=1, warm_budget=1)
+    job = sched.warm(rag, DOCS)  # queued before the loop starts: shut down after its first slices
+    sched.start()
+    while job.steps < 2 and not job.future.done():
+        threading.Event().wait(0.001)
+    sched.shutdown()
+    with pytest.raises(Exception) as err:
+        job.future.result(timeout=60)
+    assert getattr(err.value, "status", None) == 503
+    assert job._call is not None and job._call.done
+    assert not any(t.name == "kvboost-warm" and t.is_alive() for t in threading.enumerate())
 
 
 def test_a_refused_document_fails_its_warm_only(tokenizer, tiny_llama):

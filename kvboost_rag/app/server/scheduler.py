@@ -1,8 +1,9 @@
 """Continuous batching at iteration level (Orca / vLLM style), on one engine thread.
 
 Each loop iteration: run queued tasks, advance the document warm in progress by about ``warm_budget`` tokens
-(kvboost_rag.app.server.warmjob: one document at least), drop cancelled requests, admit at most one waiting
-request, advance the prefill in progress by one piece, then one batched decode step for every running request.
+(kvboost_rag.app.server.warmjob: one layer at least, bit for bit an in-process warm), drop cancelled requests,
+admit at most one waiting request, advance the prefill in progress by one piece, then one batched decode step
+for every running request.
 Chunked prefill (``prefill_chunk`` tokens, ``--prefill-chunk``): a prompt's head (everything before its first
 re-placed document, e.g. all of a long cold prompt but its last chunk) is computed about ``prefill_chunk``
 tokens per iteration, and the rest in one more, so the running requests wait for one piece between two tokens,
@@ -37,6 +38,9 @@ from kvboost_rag.app.server.protocol import APIError
 from kvboost_rag.app.server.warmjob import WarmJob
 
 log = logging.getLogger("kvboost_rag.app.server")
+# While requests decode, a warm slice ends at its first pause point (a layer) after this share of the last decode
+# step's time. Measured on SmolLM2 (docs/serving.md): slices overrun it by up to a layer and a document's start.
+WARM_SLICE_OF_STEP = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,7 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
                  step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True,
-                 warm_budget: int = 256) -> None:
+                 warm_budget: int = 256, warm_step_share: float | None = WARM_SLICE_OF_STEP) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -89,6 +93,10 @@ class Scheduler:
         if isinstance(warm_budget, bool) or not isinstance(warm_budget, int) or warm_budget < 1:
             raise ValueError(f"warm_budget must be an int >= 1, got {warm_budget!r}")
         self.warm_budget = warm_budget
+        if warm_step_share is not None and (isinstance(warm_step_share, bool)
+                                            or not isinstance(warm_step_share, (int, float)) or not warm_step_share > 0):
+            raise ValueError(f"warm_step_share must be None or a number > 0, got {warm_step_share!r}")
+        self.warm_step_share = warm_step_share  # None: the token budget alone bounds a warm slice
         self._warms: collections.deque[WarmJob] = collections.deque()  # document warms, oldest first
         self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
         self.decoder = BatchedDecoder(adapter, max_batch, deterministic=deterministic)
@@ -103,6 +111,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
         self._apply_threads = thread_setting()  # --threads, set in this (the main) thread, for the engine thread
         self._tokens_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self._last_step_s = 0.0  # the last decode step's wall time: bounds a warm slice while requests decode
 
     # ------------------------------------------------------------------ public (any thread)
     def start(self) -> None:
@@ -137,7 +146,7 @@ class Scheduler:
     def warm(self, rag: Any, texts: list[str]) -> WarmJob:
         """Warm ``texts`` into ``rag`` on the engine thread, a piece per iteration between decode steps; the
         job's ``future`` resolves to its :class:`WarmTotals` (or an APIError)."""
-        job = WarmJob(rag, list(texts), self.warm_budget)
+        job = WarmJob(rag, list(texts), self.warm_budget, setup=self._apply_threads)
         with self._cv:
             self._warms.append(job)
             self._cv.notify()
@@ -189,6 +198,7 @@ class Scheduler:
                           len(self._running))
                 self._fail_running()
         for job in self._warms:
+            job.close()  # a warm paused between two layers: its thread unwinds
             if not job.future.done():
                 job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
         held = [self._prefilling[0]] if self._prefilling is not None else []
@@ -210,10 +220,14 @@ class Scheduler:
             fut.set_exception(exc)
 
     def _advance_warm(self, job: WarmJob) -> None:
-        """One piece of the oldest document warm (the others wait their turn: one warm at a time keeps the
-        gap a stream sees to one piece)."""
+        """One slice of the oldest document warm (the others wait their turn: one warm at a time keeps the
+        gap a stream sees to one slice). While requests decode, a slice also ends once it has run
+        ``warm_step_share`` of the last decode step's time, so a stream's gap between two tokens stays within
+        about 2x its usual one on any model and machine; with nothing decoding, only the token budget applies."""
+        share = self.warm_step_share
+        seconds = share * self._last_step_s if share and self._running and self._last_step_s else None
         try:
-            job.step()
+            job.step(seconds)
         except Exception as exc:  # a document refused or a failing engine: that request fails, the loop goes on
             if not isinstance(exc, ValueError):
                 log.error("warming failed: %s", type(exc).__name__)  # never the documents
@@ -385,6 +399,7 @@ class Scheduler:
         for slot in failed:
             self._leave(slot, scrub=True)
         now = time.perf_counter()
+        self._last_step_s = now - t0
         self._tokens_window.append((now, len(logits)))
         if self.metrics is not None:
             self.metrics.on_step(now - t0, len(logits))
