@@ -25,10 +25,12 @@ from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
 DOCS = [f"Document {i}: " + " ".join(f"fact{i}-{j} is true." for j in range(12)) for i in range(8)]
 
 
-def _decode_while_warming(rag: Any, warm_rag: Any, docs: list[str], budget: int, log: list[str]) -> Any:
+def _decode_while_warming(rag: Any, warm_rag: Any, docs: list[str], budget: int, log: list[str],
+                          share: float | None = None) -> Any:
     """A request decodes; ``docs`` are warmed into ``warm_rag`` through the scheduler meanwhile. Logs "step"
-    per decode step and "layer" per layer the warm computes; returns the finished job."""
-    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4, warm_budget=budget)
+    per decode step and "layer" per layer the warm computes; returns the finished job. ``share``: the
+    scheduler's warm_step_share (None: the token budget alone)."""
+    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4, warm_budget=budget, warm_step_share=share)
     step = sched.decoder.step
     sched.decoder.step = lambda *a, **kw: (log.append("step"), step(*a, **kw))[1]  # type: ignore[method-assign]
     done = threading.Event()
@@ -93,6 +95,17 @@ def test_a_larger_budget_takes_fewer_slices(tokenizer, tiny_llama, layer_log):
     tokens = sum(len(warm_rag.engine.tokenize_ids(d)) for d in DOCS[:4])
     job = _decode_while_warming(rag, warm_rag, DOCS[:4], tokens // 2, layer_log)
     assert 2 <= job.steps <= 4 and job.future.result().warmed == 4  # about half the tokens per slice
+
+
+def test_while_requests_decode_a_slice_ends_after_its_share_of_a_decode_step(tokenizer, tiny_llama, layer_log):
+    """The default time bound: with a token budget that would warm everything at once, a slice still ends once
+    it has run its share of the last decode step (here a tiny share: one layer per slice)."""
+    rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
+    job = _decode_while_warming(rag, warm_rag, DOCS[:3], 10**9, layer_log, share=1e-9)
+    assert job.future.result().warmed == 3 and job.steps >= 3 * warm_rag.engine.adapter.num_layers
+    with pytest.raises(ValueError, match="warm_step_share"):
+        Scheduler(rag.engine.adapter, warm_step_share=0)
 
 
 def test_a_sliced_warm_stores_the_same_bits_as_an_in_process_warm(tokenizer, tiny_llama):
