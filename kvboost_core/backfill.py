@@ -55,6 +55,28 @@ class BackfillJob:
             raise ValueError("BackfillJob.chunks must be contiguous")
 
 
+class FollowUps:
+    """An engine's recent prompts, to tell a conversation's later turn from a new question (``backfill="auto"``).
+
+    A prompt that starts with all of an earlier prompt and goes on (its answer, the next question) is a
+    follow-up: the conversation has a history worth keeping exact. A RAG question that only shares the system
+    turn or the documents with an earlier one is not, so one-shot questions never pay for a backfill."""
+
+    __slots__ = ("_recent", "_lock")
+
+    def __init__(self, remember: int = 32) -> None:
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=remember)
+        self._lock = threading.Lock()
+
+    def observe(self, ids: Sequence[int]) -> bool:
+        """Remember ``ids``; True when it continues a remembered prompt."""
+        t = tuple(ids)
+        with self._lock:
+            follow = any(len(t) > len(q) and t[: len(q)] == q for q in self._recent)
+            self._recent.append(t)
+        return follow
+
+
 @dataclass(frozen=True, slots=True)
 class BackfillResult:
     tokens: int  # in the sequence

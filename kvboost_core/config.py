@@ -78,7 +78,10 @@ class EngineConfig:
     # the generated tokens exactly while no request runs, and stores them as exact prefix entries, so a chat's next
     # turn reuses its whole history exactly (as prefix caching does after a full prefill) instead of repairing it
     # again. Costs one prefill of the approximate part per turn, off the request path. Needs store_prefix.
-    backfill: bool = False
+    # "auto" (the default): only after a generation whose prompt continues an earlier prompt of this engine (a
+    # chat's second turn on; kvboost_core.backfill.FollowUps), so one-shot questions never pay for it. True:
+    # after every generation; False: never.
+    backfill: bool | str = "auto"
     add_special_tokens: bool = True
     # None: the tokenizer's BOS (else EOS); "chat": the chat template's head before a user message (system turn
     # and user header); a str or a list of ids overrides
@@ -118,8 +121,8 @@ class EngineConfig:
             raise ValueError(f"kv_bits must be None (model dtype), 16 (bf16), 8 or 4, got {self.kv_bits!r}")
         if not isinstance(self.kv_group_size, int) or self.kv_group_size < 1:
             raise ValueError(f"kv_group_size must be a positive int, got {self.kv_group_size!r}")
-        if not isinstance(self.backfill, bool):
-            raise TypeError(f"backfill must be a bool, got {type(self.backfill).__name__}")
+        if not isinstance(self.backfill, bool) and self.backfill != "auto":
+            raise TypeError(f"backfill must be a bool or 'auto', got {self.backfill!r}")
         if not isinstance(self.auto_calibrate, bool):
             raise TypeError(f"auto_calibrate must be a bool, got {type(self.auto_calibrate).__name__}")
         if (isinstance(self.calibration_budget_s, bool) or not isinstance(self.calibration_budget_s, (int, float))

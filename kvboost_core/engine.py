@@ -22,7 +22,7 @@ import torch
 from kvboost_core.adapters import ModelAdapter
 from kvboost_core.autocalib import FirstUse, load_cached
 from kvboost_core.autocalib import apply as apply_calibration
-from kvboost_core.backfill import Backfiller
+from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
 from kvboost_core.generation import GenerationMixin, GenerationStream
@@ -87,6 +87,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         self._counters = Counters()
         self._eos = frozenset(self._eos_ids())
         self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.backfill); idle until used
+        self._follow_ups = FollowUps()  # backfill="auto": which prompts continue an earlier one
         # calibration on first use (kvboost_core.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None
         cached = load_cached(self) if config.auto_calibrate and not self.adapter.no_reuse else None

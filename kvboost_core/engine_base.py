@@ -19,7 +19,7 @@ from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_promp
 if TYPE_CHECKING:
     from kvboost_core.adapters import ModelAdapter
     from kvboost_core.autocalib import FirstUse
-    from kvboost_core.backfill import Backfiller
+    from kvboost_core.backfill import Backfiller, FollowUps
     from kvboost_core.keys import Fingerprint
     from kvboost_core.results import Counters
     from kvboost_core.store import KVStore
@@ -47,6 +47,7 @@ class EngineBase:
     _eos: frozenset[int]
     _first_use: FirstUse
     _backfill: Backfiller  # exact history (kvboost_core.backfill)
+    _follow_ups: FollowUps  # backfill="auto" (kvboost_core.backfill)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

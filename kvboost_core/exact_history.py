@@ -13,9 +13,14 @@ from kvboost_core.segments import TokenizedSegment, check_vocab
 
 
 class BackfillMixin(PrefillMixin):
-    def _backfills(self, store_prefix: bool | None) -> bool:
-        return bool(self.config.backfill) and not self.adapter.no_reuse and bool(
-            self.config.store_prefix if store_prefix is None else store_prefix)
+    def _backfills(self, store_prefix: bool | None, prompt_ids: Sequence[int]) -> bool:
+        """Backfill after this generation? ``backfill=True``: always; ``"auto"``: when the prompt continues an
+        earlier prompt of this engine (a chat's second turn on), so its later turns find the history exact."""
+        mode = self.config.backfill
+        if not mode or self.adapter.no_reuse:
+            return False
+        follow_up = self._follow_ups.observe(prompt_ids) if mode == "auto" else True
+        return follow_up and bool(self.config.store_prefix if store_prefix is None else store_prefix)
 
     def _backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
         """Compute the prefix ``[0, end)`` of ``job`` exactly (stored exact prefix reused, the rest computed
@@ -34,8 +39,9 @@ class BackfillMixin(PrefillMixin):
         """Store the exact KV of ``prompt`` followed by ``generated`` token ids, now, in this thread.
 
         The next prompt that continues this sequence (the next turn of a chat) then finds it as an exact prefix.
-        Engines with ``backfill=True`` do this by themselves after every generation, in a background thread;
-        call this where generation happens elsewhere or to backfill synchronously."""
+        Engines with ``backfill=True`` do this by themselves after every generation (``"auto"``, the default:
+        after every generation whose prompt continues an earlier one), in a background thread; call this where
+        generation happens elsewhere or to backfill synchronously."""
         if not self.config.store_prefix or self.adapter.no_reuse:
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
         gen = list(generated)

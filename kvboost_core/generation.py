@@ -96,7 +96,7 @@ class GenerationMixin(BackfillMixin):
              query_tokens: int | None = None, recheck_layer: int | None = None,
              recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
-        if self.config.backfill:  # a follow-up of a turn still being backfilled waits for its exact history
+        if self.config.backfill and self._backfill.pending:  # a follow-up of a turn being backfilled waits for it
             self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
         with self._backfill.request():  # no backfill step starts while this request runs
             yield from self._run_request(prompt, params, holder, t0, repair, recompute_ratio, select, check_layer,
@@ -157,5 +157,5 @@ class GenerationMixin(BackfillMixin):
                 text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
                 total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
                 stats=stats, first_logits=pre.last_logits)
-        if self._backfills(store_prefix):
+        if self._backfills(store_prefix, pre.token_ids):
             self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self._spans))

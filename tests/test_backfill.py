@@ -13,7 +13,7 @@ from helpers import compare_logits, engine_for, full_logits
 
 from kvboost_core import Segment
 from kvboost_core.assembly import Chunk
-from kvboost_core.backfill import Backfiller, BackfillJob, conversation_job, run_job, step_ends
+from kvboost_core.backfill import Backfiller, BackfillJob, FollowUps, conversation_job, run_job, step_ends
 from kvboost_core.segments import TokenizedSegment
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
@@ -80,9 +80,42 @@ def test_background_backfill_after_generate(tiny_llama, tokenizer):
     assert compare_logits(full_logits(tiny_llama, eng.tokenize_ids(turn2)), after.last_logits)["max_abs_diff"] < 1e-4
 
 
-def test_backfill_off_by_default_and_steps_resume_from_stored_prefix(tiny_llama, tokenizer):
+def test_auto_backfills_from_a_chats_second_turn_on_and_never_after_one_shot_questions(tiny_llama, tokenizer):
+    """The default, backfill="auto": a prompt that continues an earlier prompt (a chat's later turn) is backfilled,
+    so the turn after it finds its whole history exact; questions over the same documents are not."""
     eng = _warmed(tiny_llama, tokenizer, repair="cacheblend", recompute_ratio=0.3)
-    eng.generate(_turn1(eng), max_new_tokens=4)
+    assert eng.config.backfill == "auto"
+    first = eng.generate(_turn1(eng), max_new_tokens=4)
+    other = [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(text=" Who was Bob?")]
+    eng.generate(other, max_new_tokens=4)  # the same documents, another question: not a follow-up
+    eng.generate(_turn1(eng), max_new_tokens=4)  # the same prompt again: not a follow-up either
+    assert eng.stats()["backfill_tokens"] == 0 and eng.stats()["backfill_pending"] == 0
+    turn2 = _turn2(eng, first.token_ids)
+    second = eng.generate(turn2, max_new_tokens=4)
+    assert second.stats["reused_approx"] > 0  # turn 1 was never backfilled: its documents are re-placed again
+    assert eng.wait_backfill(timeout=60) and eng.stats()["backfill_tokens"] > 0
+    history = second.prompt_token_ids + second.token_ids
+    turn3 = _turn2(eng, [*first.token_ids, *eng.tokenize_ids(Segment(text=FOLLOW_UP), add_special_tokens=False),
+                         *second.token_ids])  # turn 2's question segment, continued by its answer and one more
+    ids = eng.tokenize_ids(turn3)
+    assert ids[:len(history)] == history
+    after = eng.prefill(turn3, store_prefix=False)
+    assert after.stats["reused_exact"] == len(history) and after.stats["reused_approx"] == 0
+    assert compare_logits(full_logits(tiny_llama, ids), after.last_logits)["max_abs_diff"] < 1e-4
+
+
+def test_follow_ups_are_prompts_that_continue_a_remembered_one():
+    f = FollowUps(remember=2)
+    assert not f.observe([1, 2, 3]) and not f.observe([1, 2, 3]) and not f.observe([1, 2, 4, 5])
+    assert f.observe([1, 2, 3, 9]) and f.observe([1, 2, 4, 5, 6])
+    f.observe([7]), f.observe([8])  # [1, 2, 3] and the others are forgotten
+    assert not f.observe([1, 2, 3, 9, 9])
+
+
+def test_backfill_false_never_and_steps_resume_from_stored_prefix(tiny_llama, tokenizer):
+    eng = _warmed(tiny_llama, tokenizer, repair="cacheblend", recompute_ratio=0.3, backfill=False)
+    first = eng.generate(_turn1(eng), max_new_tokens=4)
+    eng.generate(_turn2(eng, first.token_ids), max_new_tokens=4)  # a follow-up: still no backfill
     assert eng.stats()["backfill_tokens"] == 0 and eng.stats()["backfill_pending"] == 0
     segs = eng.tokenize(_turn1(eng))
     chunks = [Chunk(s.start + a, s.start + b, i) for i, s in enumerate(segs) for a, b in eng._spans(s.token_ids)]

@@ -166,6 +166,9 @@ def follow_up(chat: Any, corpus: rc.RagCorpus, exclude: set[str], max_new_tokens
         clock.add("follow-up turns with reuse", time.perf_counter() - t0)
         stats = dict(chat.last_stats)
         t0 = time.perf_counter()
+        chat.rag.engine.wait_backfill()  # exact history (backfill="auto") is computed between turns, not meanwhile
+        clock.add("exact history between turns (backfill)", time.perf_counter() - t0)
+        t0 = time.perf_counter()
         ref = reference(chat, plain, max_new_tokens)
         clock.add("the same turns by full prefill (reference)", time.perf_counter() - t0)
         answer = str(msg.content).strip()
