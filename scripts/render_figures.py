@@ -602,7 +602,7 @@ TABLES = (
     Table("multiturn", ("multiturn.json",), multiturn_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png",
-         "ttft_flops_4k.png")
+         "ttft_flops_4k_flops.png")
 
 
 def render_block(table: Table, root: Path = ROOT) -> str:

@@ -144,12 +144,14 @@ def plot_flops(result: dict[str, Any], path: str) -> None:
         xs = [j + (i - 1) * width for j in range(len(names))]
         ax.bar(xs, [entry["methods"][m][key] for m in names], width, label=label)
     for j, m in enumerate(names):
-        ax.annotate(f"eff {entry['methods'][m]['efficiency']:.2f}", (j, entry["methods"][m]["wall_fraction"]),
+        top = max(entry["methods"][m][k] for k in ("flops_ideal_fraction", "flops_implemented_fraction",
+                                                     "wall_fraction"))
+        ax.annotate(f"eff {entry['methods'][m]['efficiency']:.2f}", (j, top),
                     textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set_ylabel("fraction of HF full prefill")
     ax.set_title(f"FLOP model vs wall time — {result['model']}, {entry['context_tokens']} tokens, "
-                 f"{result['machine']['cpu_threads']} threads")
+                 f"{result['machine']['cpu_threads']} thread{'' if result['machine']['cpu_threads'] == 1 else 's'}")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
