@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Outputs do not depend on it")
     p.add_argument("--warm-budget", type=positive_int, default=256, metavar="TOKENS",
                    help="POST /v1/documents is warmed between decode steps, about this many document tokens per "
-                        "scheduler iteration (one layer at least) (default 256)")
+                        "scheduler iteration (one layer at least; while requests decode, a slice also ends after "
+                        "0.3 of a decode step's time) (default 256)")
     p.add_argument("--max-documents", type=positive_int, default=256, metavar="N",
                    help="documents one POST /v1/documents may send; more is answered 413 (default 256)")
     p.add_argument("--max-document-bytes", type=parse_size, default=8 * 2**20, metavar="SIZE",
