@@ -25,16 +25,18 @@ _LOCAL = threading.local()  # .hook: the running SlicedCall's per-layer callback
 
 def layer_done(rows: int, layers: int) -> None:
     """A forward finished one of its ``layers`` layers for ``rows`` positions: a pause point."""
-    hook: Callable[[float], None] | None = getattr(_LOCAL, "hook", None)
-    if hook is not None:
-        hook(rows / layers)
+    _pause_point(rows / layers)
 
 
 def checkpoint() -> None:
     """A pause point between two pieces of work (e.g. two documents): pauses if the slice's budget is spent."""
+    _pause_point(0.0)
+
+
+def _pause_point(work: float) -> None:
     hook: Callable[[float], None] | None = getattr(_LOCAL, "hook", None)
     if hook is not None:
-        hook(0.0)
+        hook(work)
 
 
 class Interrupted(BaseException):
