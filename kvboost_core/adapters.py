@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvboost_core import attention
 from kvboost_core.rope import RopeSupport, rope_support
 
 # Families whose decoder layers follow the Llama contract (verified by tests against full prefill).
@@ -100,10 +101,9 @@ class ModelAdapter:
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
             raise ValueError(f"{type(model).__name__} does not expose model.layers / model.rotary_emb; "
                              "pass a *ForCausalLM model")
-        impl = getattr(cfg, "_attn_implementation", None)
-        if impl not in ("sdpa", "eager"):
-            # Our masks are explicit (any positions), which flash kernels do not take.
-            cfg._attn_implementation = "sdpa"
+        # Our masks are explicit (any positions), which flash kernels do not take. Through attention.use_base:
+        # another engine's forward on this model may have the name switched to kvboost's wrapper right now.
+        attention.use_base(cfg, ("sdpa", "eager"), "sdpa")
         support = rope_support(cfg, inner.rotary_emb)
         if not support.rerotatable:
             warnings.warn(f"kvboost: {support.reason}; falling back to exact-prefix reuse only", stacklevel=3)
@@ -218,15 +218,16 @@ class ModelAdapter:
         When every position [0, length) is computed (a cold prefill) and SDPA runs, None lets SDPA apply its own
         causal mask: the same attention, through the fused kernel instead of a materialized (n, T) mask."""
         window = self.windows[layer]
+        impl = attention.base_impl(self.model.config)  # not the wrapper's name a forward may have switched to
         full = q_pos.numel() == length and (length == 0 or int(q_pos[-1]) == length - 1)
-        if full and window is None and self.model.config._attn_implementation == "sdpa":
+        if full and window is None and impl == "sdpa":
             return None
         k_pos = torch.arange(length, device=q_pos.device)
         allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
         if window is not None:
             allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
         allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)
-        if self.model.config._attn_implementation == "eager":
+        if impl == "eager":
             neg = torch.finfo(self.dtype).min
             return torch.zeros(allowed.shape, dtype=self.dtype, device=q_pos.device).masked_fill(~allowed, neg)
         return allowed

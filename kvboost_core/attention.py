@@ -214,8 +214,28 @@ def switched(config: Any) -> Iterator[str]:
         with _SWITCH_LOCK:
             state[0] -= 1
             if state[0] == 0:
-                config._attn_implementation = impl
+                config._attn_implementation = state[1]  # the base, as :func:`use_base` may have changed it
                 del _SWITCHED[id(config)]
+
+
+def use_base(config: Any, allowed: Sequence[str], default: str) -> str:
+    """Make the model's own attention implementation one of ``allowed`` (else ``default``); return it.
+
+    Safe while a :func:`switched` block runs on another thread (an engine built on a model another engine is
+    running): the config's name is then kvboost's wrapper, which must stay for that forward, so only the base the
+    wrapper runs (and the last block out restores) changes, and only if it is not allowed already. Setting the
+    name directly there would hand that forward's :class:`RowBlocks` to the plain implementation."""
+    with _SWITCH_LOCK:
+        state = _SWITCHED.get(id(config))
+        base = state[1] if state is not None else getattr(config, "_attn_implementation", None)
+        if base in allowed:
+            return str(base)
+        if state is None:
+            config._attn_implementation = default
+        else:
+            state[1] = default
+            config._attn_implementation = _registered(default)
+        return default
 
 
 @contextlib.contextmanager
