@@ -30,9 +30,12 @@ from kvboost_core.segments import TokenizedSegment
 
 log = logging.getLogger(__name__)
 
-STEP_TOKENS = 512
+STEP_TOKENS = 512  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
 FOLLOW_UP_WAIT_S = 120.0  # how long a follow-up waits for its history's backfill before it re-places instead
-EXIT_WAIT_S = 60.0  # at interpreter exit: how long to let a running step finish (a step is about a second)  # tokens per step: bounds how long a request arriving mid-step shares the CPU with a job
+EXIT_WAIT_S = 60.0  # at interpreter exit: how long to let a running step finish (a step is about a second)
+# A step starts only once no request has been in flight for this long: a stream's reader taking its next piece,
+# or calls back to back, keep the backfill off; a reader that leaves a stream open does not.
+IDLE_GRACE_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,7 @@ class Backfiller:
         self._pending: deque[BackfillJob] = deque(maxlen=max_pending)
         self._cond = threading.Condition()
         self._busy = 0  # requests in flight
+        self._idle_since = float("-inf")  # when the last request in flight ended
         self._running: BackfillJob | None = None  # the job being worked on
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -186,6 +190,8 @@ class Backfiller:
         finally:
             with self._cond:
                 self._busy -= 1
+                if not self._busy:
+                    self._idle_since = time.monotonic()
                 self._cond.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -228,11 +234,14 @@ class Backfiller:
             thread.join(timeout)
 
     def _idle_step(self) -> bool:
-        """Wait until no request is in flight; False when closed."""
+        """Wait until no request has been in flight for ``IDLE_GRACE_S``; False when closed."""
         with self._cond:
-            while self._busy and not self._closed:
-                self._cond.wait(0.05)
-            return not self._closed
+            while not self._closed:
+                left = 0.05 if self._busy else self._idle_since + IDLE_GRACE_S - time.monotonic()
+                if left <= 0:
+                    return True
+                self._cond.wait(left)
+            return False
 
     def _loop(self) -> None:
         while True:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ class GenerationStream:
 
     def __init__(self, engine: GenerationMixin, prompt: Any, params: SamplingParams, kw: dict[str, Any]) -> None:
         self._holder: dict[str, GenerationResult] = {}
-        self._it = engine._run(prompt, params, holder=self._holder, **kw)
+        self._it = engine._run(prompt, params, holder=self._holder, stream=True, **kw)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> GenerationStream:
@@ -94,33 +96,44 @@ class GenerationMixin(BackfillMixin):
              add_special_tokens: bool | None = None, store_prefix: bool | None = None,
              reuse_repaired: bool = True, recompute_mass: float | None = None,
              query_tokens: int | None = None, recheck_layer: int | None = None,
-             recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None) -> Iterator[str]:
+             recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None,
+             stream: bool = False) -> Iterator[str]:
         t0 = time.perf_counter()
         if self.config.backfill and self._backfill.pending:  # a follow-up of a turn being backfilled waits for it
             self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
-        with self._backfill.request():  # no backfill step starts while this request runs
-            yield from self._run_request(prompt, params, holder, t0, repair, recompute_ratio, select, check_layer,
-                                         add_special_tokens, store_prefix, reuse_repaired, recompute_mass,
-                                         query_tokens, recheck_layer, recheck_ratio, logits_processor)
+        args = (prompt, params, holder, t0, repair, recompute_ratio, select, check_layer, add_special_tokens,
+                store_prefix, reuse_repaired, recompute_mass, query_tokens, recheck_layer, recheck_ratio,
+                logits_processor)
+        if stream:
+            # No backfill step starts while the stream computes (its prefill, each decode step), but one may run
+            # between its pieces: a stream its reader left open, neither finished nor closed, must not hold the
+            # backfill off (a follow-up waiting for its history would wait for as long).
+            yield from self._run_request(*args, busy=self._backfill.request)
+        else:
+            with self._backfill.request():  # generate() runs to the end at once: no backfill step starts meanwhile
+                yield from self._run_request(*args, busy=contextlib.nullcontext)
 
     def _run_request(self, prompt: Any, params: SamplingParams, holder: dict | None, t0: float, repair: str | None,
                      recompute_ratio: float | None, select: str | None, check_layer: int | None,
                      add_special_tokens: bool | None, store_prefix: bool | None, reuse_repaired: bool,
                      recompute_mass: float | None, query_tokens: int | None, recheck_layer: int | None,
-                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None) -> Iterator[str]:
+                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None, *,
+                     busy: Callable[[], AbstractContextManager[Any]]) -> Iterator[str]:
+        """The request; ``busy()`` marks each stretch of computing (none spans a ``yield``)."""
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
                                  query_tokens, recheck_layer, recheck_ratio)
-        prepared = self._prompt_chunks(prompt, add_special_tokens)
-        pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0, prepared)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
         generated: list[int] = []
-        # The processor may mask in place: it gets a copy, so the result's first_logits stay the model's own.
-        first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
-        token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
-        ttft = time.perf_counter() - t0
-        self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
+        with busy():
+            prepared = self._prompt_chunks(prompt, add_special_tokens)
+            pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0, prepared)
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
+            # The processor may mask in place: it gets a copy, so the result's first_logits stay the model's own.
+            first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
+            token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
+            ttft = time.perf_counter() - t0
+            self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
 
         capacity = cache.keys[0].shape[2]
         all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
@@ -144,12 +157,13 @@ class GenerationMixin(BackfillMixin):
                 finish = "length"
                 break
             all_ids[pos] = token
-            if cache.hf is not None:
-                logits = self.adapter.hf_step(cache, token)
-            else:
-                logits = decode_step(self.adapter, all_ids, pos, cache)
+            with busy():
+                if cache.hf is not None:
+                    logits = self.adapter.hf_step(cache, token)
+                else:
+                    logits = decode_step(self.adapter, all_ids, pos, cache)
+                token = process_and_sample(logits_processor, generated, logits.float(), params, generator)
             pos += 1
-            token = process_and_sample(logits_processor, generated, logits.float(), params, generator)
         yield text.flush()
         if holder is not None:
             stats = dict(pre.stats, ttft_s=ttft, finish_reason=finish)
