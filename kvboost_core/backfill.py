@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +36,12 @@ EXIT_WAIT_S = 60.0  # at interpreter exit: how long to let a running step finish
 # A step starts only once no request has been in flight for this long: a stream's reader taking its next piece,
 # or calls back to back, keep the backfill off; a reader that leaves a stream open does not.
 IDLE_GRACE_S = 0.05
+# Jobs waiting at once (each one chat's latest turn: a newer turn replaces its chat's older one) and their tokens
+# (held as Python ints, about 40 bytes each). Past either bound the oldest job is dropped, counted in
+# ``Backfiller.dropped`` (the engine's ``stats()["backfill_dropped"]``): that chat's next turn is re-placed.
+MAX_PENDING = 256
+MAX_PENDING_TOKENS = 1 << 20
+REMEMBER = 4096  # prompts FollowUps remembers (about 150 bytes each); past it the oldest is forgotten, counted
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,20 +69,50 @@ class FollowUps:
 
     A prompt that starts with all of an earlier prompt and goes on (its answer, the next question) is a
     follow-up: the conversation has a history worth keeping exact. A RAG question that only shares the system
-    turn or the documents with an earlier one is not, so one-shot questions never pay for a backfill."""
+    turn or the documents with an earlier one is not, so one-shot questions never pay for a backfill.
 
-    __slots__ = ("_recent", "_lock")
+    Each prompt is remembered as its length and a 61-bit polynomial hash of its ids (a collision costs one
+    needless backfill, never a wrong answer), ``remember`` of them, least recently seen forgotten first and
+    counted in ``forgotten``. A lookup hashes the new prompt once and probes each remembered length."""
 
-    def __init__(self, remember: int = 32) -> None:
-        self._recent: deque[tuple[int, ...]] = deque(maxlen=remember)
+    __slots__ = ("_recent", "_lengths", "_remember", "_lock", "forgotten")
+
+    _MOD = (1 << 61) - 1
+    _BASE = 0x5BD1E995
+
+    def __init__(self, remember: int = REMEMBER) -> None:
+        if remember < 1:
+            raise ValueError(f"remember must be >= 1, got {remember!r}")
+        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()  # (length, hash), least recent first
+        self._lengths: Counter[int] = Counter()  # length -> remembered prompts of that length
+        self._remember = remember
         self._lock = threading.Lock()
+        self.forgotten = 0  # prompts forgotten to make room: a chat among them is no longer recognised
 
     def observe(self, ids: Sequence[int]) -> bool:
         """Remember ``ids``; True when it continues a remembered prompt."""
-        t = tuple(ids)
+        n = len(ids)
         with self._lock:
-            follow = any(len(t) > len(q) and t[: len(q)] == q for q in self._recent)
-            self._recent.append(t)
+            probes = {length for length in self._lengths if length < n}
+            prefix: list[tuple[int, int]] = []
+            h = 0
+            for i, t in enumerate(ids, 1):
+                h = (h * self._BASE + int(t) + 1) % self._MOD
+                if i in probes:
+                    prefix.append((i, h))
+            follow = any(p in self._recent for p in prefix)
+            key = (n, h)
+            if key in self._recent:
+                self._recent.move_to_end(key)
+            else:
+                self._recent[key] = None
+                self._lengths[n] += 1
+                if len(self._recent) > self._remember:
+                    (old, _), _ = self._recent.popitem(last=False)
+                    self._lengths[old] -= 1
+                    if not self._lengths[old]:
+                        del self._lengths[old]
+                    self.forgotten += 1
         return follow
 
 
@@ -149,15 +185,23 @@ def run_job(job: BackfillJob, run_step: StepFn, *, step_tokens: int = STEP_TOKEN
 class Backfiller:
     """One daemon worker running backfill jobs in steps, each step only while no request is in flight.
 
-    Pending jobs are bounded (``max_pending``; the oldest is dropped) and a job whose sequence extends a pending
-    one's replaces it (the newer turn holds the older one's tokens)."""
+    A job whose sequence extends a pending one's replaces it (the newer turn holds the older one's tokens).
+    Pending jobs are bounded by ``max_pending`` and ``max_pending_tokens`` (see ``MAX_PENDING``); past them the
+    oldest is dropped and counted in ``dropped``."""
 
-    def __init__(self, run_step: StepFn, *, step_tokens: int = STEP_TOKENS, max_pending: int = 8) -> None:
+    def __init__(self, run_step: StepFn, *, step_tokens: int = STEP_TOKENS, max_pending: int = MAX_PENDING,
+                 max_pending_tokens: int = MAX_PENDING_TOKENS) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        if max_pending_tokens < 1:
+            raise ValueError(f"max_pending_tokens must be >= 1, got {max_pending_tokens!r}")
         self._run_step = run_step
         self._step_tokens = step_tokens
-        self._pending: deque[BackfillJob] = deque(maxlen=max_pending)
+        self._pending: deque[BackfillJob] = deque()
+        self._max_pending = max_pending
+        self._max_tokens = max_pending_tokens
+        self._pending_tokens = 0
+        self._dropped = 0
         self._cond = threading.Condition()
         self._busy = 0  # requests in flight
         self._idle_since = float("-inf")  # when the last request in flight ended
@@ -173,7 +217,17 @@ class Backfiller:
             for old in list(self._pending):
                 if job.token_ids[: len(old.token_ids)] == old.token_ids:
                     self._pending.remove(old)  # superseded: the new job covers it
+                    self._pending_tokens -= len(old.token_ids)
             self._pending.append(job)
+            self._pending_tokens += len(job.token_ids)
+            while len(self._pending) > 1 and (len(self._pending) > self._max_pending
+                                              or self._pending_tokens > self._max_tokens):
+                old = self._pending.popleft()
+                self._pending_tokens -= len(old.token_ids)
+                self._dropped += 1
+                (log.warning if self._dropped == 1 else log.debug)("kvboost: the backfill queue is full (%d jobs, %d tokens); dropped the oldest job, "
+                            "whose chat's next turn is re-placed instead of exact", self._max_pending,
+                            self._max_tokens)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvboost-backfill", daemon=True)
                 self._thread.start()
@@ -223,11 +277,18 @@ class Backfiller:
         with self._cond:
             return len(self._pending) + int(self._running is not None)
 
+    @property
+    def dropped(self) -> int:
+        """Jobs dropped unrun because the queue was full (not those superseded by their chat's next turn)."""
+        with self._cond:
+            return self._dropped
+
     def close(self, timeout: float | None = None) -> None:
         """Drop pending jobs and stop the worker after its current step (waiting up to ``timeout`` for it)."""
         with self._cond:
             self._closed = True
             self._pending.clear()
+            self._pending_tokens = 0
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -251,6 +312,7 @@ class Backfiller:
                 if self._closed:
                     return
                 job = self._pending.popleft()
+                self._pending_tokens -= len(job.token_ids)
                 self._running = job
             try:
                 self.results.append(self._run(job))

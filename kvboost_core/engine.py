@@ -221,7 +221,8 @@ class KVEngine(GenerationMixin, WarmMixin):
                 "evictions": s.get("evictions", 0), "hits_exact": c["hits_exact"],
                 "hits_repaired": c["hits_repaired"], "hits_content": c["hits_content"], "misses": c["misses"], "prefills": c["prefills"],
                 "warmed_tokens": c["warmed_tokens"], "backfill_tokens": c.get("backfill_tokens", 0),
-                "backfill_pending": self._backfill.pending, "store": s}
+                "backfill_pending": self._backfill.pending, "backfill_dropped": self._backfill.dropped,
+                "follow_ups_forgotten": self._follow_ups.forgotten, "store": s}
 
     def calibrate(self, docs: Sequence[str | Sequence[int]] | None = None, *, prompts: Sequence[Any] | None = None,
                   max_kl: float = 0.01, min_top1: float = 0.95, budget_s: float | None = None,
