@@ -92,7 +92,8 @@ async def one(client: Any, messages: list[dict[str, str]], max_tokens: int, t_li
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     e2e = time.perf_counter() - t0
     return {"text": "".join(parts), "ttft": ttft or e2e, "e2e": e2e, "tokens": usage.completion_tokens if usage else 0,
-            "cached": usage.prompt_tokens_details.cached_tokens if usage else 0,
+            "cached": usage.prompt_tokens_details.cached_tokens if usage else 0,  # exact reuse only
+            "approx": (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_approximate", 0) if usage else 0,
             "prompt": usage.prompt_tokens if usage else 0}
 
 
@@ -141,6 +142,7 @@ async def level(url: str, requests: list, concurrency: int, max_tokens: int) -> 
             "e2e_p50": pct([r["e2e"] for r in ok], 50), "e2e_p99": pct([r["e2e"] for r in ok], 99),
             "prompt_tokens_mean": statistics.fmean(r["prompt"] for r in ok) if ok else 0,
             "cached_tokens_mean": statistics.fmean(r["cached"] for r in ok) if ok else 0,
+            "cached_tokens_approximate_mean": statistics.fmean(r["approx"] for r in ok) if ok else 0,
             "batch_kv_bytes_peak": peak["batch_kv_bytes"], "texts": [r.get("text") for r in results]}
 
 

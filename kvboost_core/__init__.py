@@ -7,7 +7,9 @@ benchmarks import from here, so the modules behind it can change without touchin
   ``stats``; read-only ``eos_token_ids`` and ``warm_prefix_ids``), its :class:`EngineConfig` and
   :class:`GenerationStream`;
 - prompts: :class:`Segment` (a document, or text between documents);
-- results: :class:`GenerationResult`, :class:`PrefillResult`, :class:`WarmResult`;
+- results: :class:`GenerationResult`, :class:`PrefillResult`, :class:`WarmResult`, and
+  :class:`CacheCounts` (:func:`cache_counts`): the one definition of cached tokens (exact and block-exact
+  reuse) and of approximate reuse, kept apart on every surface;
 - sampling: :class:`SamplingParams`, :data:`LogitsProcessor`, :class:`StopGeneration` (raised by a logits
   processor to end a generation).
 
@@ -25,6 +27,7 @@ from kvboost_core.lazy import lazy_exports
 from kvboost_core.segments import Segment
 
 _LAZY = {"KVEngine": "kvboost_core.engine", "GenerationStream": "kvboost_core.generation",
+         "CacheCounts": "kvboost_core.results", "cache_counts": "kvboost_core.results",
          "GenerationResult": "kvboost_core.results", "PrefillResult": "kvboost_core.results",
          "WarmResult": "kvboost_core.results", "SamplingParams": "kvboost_core.decode",
          "LogitsProcessor": "kvboost_core.decode", "StopGeneration": "kvboost_core.decode"}
@@ -33,11 +36,11 @@ if TYPE_CHECKING:
     from kvboost_core.decode import LogitsProcessor, SamplingParams, StopGeneration
     from kvboost_core.engine import KVEngine
     from kvboost_core.generation import GenerationStream
-    from kvboost_core.results import GenerationResult, PrefillResult, WarmResult
+    from kvboost_core.results import CacheCounts, GenerationResult, PrefillResult, WarmResult, cache_counts
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
-__all__ = ["EngineConfig", "GenerationResult", "GenerationStream", "KVEngine", "LogitsProcessor", "PrefillResult",
-           "SamplingParams", "Segment", "StopGeneration", "WarmResult"]
+__all__ = ["CacheCounts", "EngineConfig", "GenerationResult", "GenerationStream", "KVEngine", "LogitsProcessor",
+           "PrefillResult", "SamplingParams", "Segment", "StopGeneration", "WarmResult", "cache_counts"]

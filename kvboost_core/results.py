@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,57 @@ class GenerationResult:
     finish_reason: str  # "stop", "eos", "length"
     stats: dict[str, Any]
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) fp32: the prefill's output
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCounts:
+    """Where a prompt's KV came from: the one definition of "cached tokens", which every surface reports (the
+    server's ``usage`` and ``/metrics``, LangChain's ``usage_metadata``, LlamaIndex's ``additional_kwargs``, the
+    per-call reports and :func:`kvboost_rag.doc_stats`). Build it with :func:`cache_counts`.
+
+    The four counts partition the prompt (``cached + approximate + recomputed + computed == prompt_tokens``):
+
+    - ``cached``: KV read from the cache and used as is, and exact: a prompt-prefix hit (``reused_exact``), or a
+      re-placed document under a block adapter at ``repair="none"`` (``reused_block``: exactly that adapted
+      model's own prefill). A reply with them equals one without: OpenAI's ``cached_tokens``, LangChain's
+      ``cache_read``.
+    - ``approximate``: KV read from the cache and used as is, but an approximation of the full prefill:
+      re-placed document KV kept without recompute (``reused_approx``) and an earlier repaired prefill's KV
+      (``reused_repaired``). It saves the same compute, and is never counted in ``cached``.
+    - ``recomputed``: served from the cache, then recomputed (by repair, or the last token, whose logits are
+      the output); ``computed``: no cache entry.
+
+    ``replaced_cached`` and ``replaced_approximate`` are the re-placed document tokens within ``cached`` and
+    ``approximate`` (``reused_block`` and ``reused_approx``); the rest of each is prompt-prefix KV.
+    """
+
+    prompt_tokens: int
+    cached: int
+    approximate: int
+    recomputed: int
+    computed: int
+    replaced_cached: int = 0
+    replaced_approximate: int = 0
+
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of the prompt served from the cache and used as is, exact or approximate (the engine's
+        ``reuse_ratio``)."""
+        return (self.cached + self.approximate) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def cache_counts(stats: Mapping[str, Any] | None) -> CacheCounts:
+    """:class:`CacheCounts` of one prefill, from the engine's stats (``PrefillResult.stats``,
+    ``GenerationResult.stats``); missing keys count 0."""
+    s = stats or {}
+
+    def n(key: str) -> int:
+        return int(s.get(key, 0) or 0)
+
+    block, approx, repaired = n("reused_block"), n("reused_approx"), n("reused_repaired")
+    return CacheCounts(prompt_tokens=n("prompt_tokens"), cached=n("reused_exact") + block,
+                       approximate=approx + repaired, recomputed=n("recomputed"), computed=n("computed"),
+                       replaced_cached=block, replaced_approximate=approx)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration
+from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration, cache_counts
 from kvboost_core.segments import lead_token_ids
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
@@ -54,24 +54,31 @@ class PromptPlan:
 
 
 def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[str, int]:
-    """Per-prompt document accounting from the engine's counters.
+    """Per-prompt document accounting from the engine's counters, exact and approximate reuse told apart as
+    :class:`kvboost_core.CacheCounts` defines them (``cached_tokens`` / ``cached_tokens_approximate``).
 
-    Prefix positions are [0, hits_exact + hits_repaired) (repaired: an earlier repaired prefill's KV, served
-    only when the engine stores them) and are never recomputed; content hits (re-placed KV) happen
-    only inside cacheable segments, i.e. documents, and ``reused_approx`` of them were not recomputed.
+    Prefix positions are [0, hits_exact) (exact) then [hits_exact, hits_exact + hits_repaired) (an earlier
+    repaired prefill's KV, approximate, served only when the engine stores them) and are never recomputed;
+    content hits (re-placed KV) happen only inside cacheable segments, i.e. documents.
 
     - ``doc_tokens``: prompt tokens attributed to documents.
-    - ``doc_tokens_reused``: of those, served from the cache (exact prefix or re-placed document KV).
+    - ``doc_tokens_reused``: of those, served from the cache (a prefix hit or re-placed document KV).
     - ``doc_tokens_recomputed``: of the reused, recomputed by repair (all of them under ``repair="full"``,
       about ``recompute_ratio`` under CacheBlend).
-    - ``doc_tokens_kept``: reused and used as is (``reused - recomputed``): the compute actually saved.
+    - ``doc_tokens_kept``: reused and used as is (``reused - recomputed``): the compute actually saved. It is
+      ``doc_tokens_cached`` (exact: a prefix hit, or a block adapter's own prefill) plus
+      ``doc_tokens_approximate`` (re-placed or repaired KV kept without recompute).
     """
-    exact = int(stats.get("hits_exact", 0)) + int(stats.get("hits_repaired", 0))
-    in_exact = sum(max(0, min(b, exact) - a) for a, b in ranges)
+    counts = cache_counts(stats)
+    exact_end = int(stats.get("hits_exact", 0))
+    prefix_end = exact_end + int(stats.get("hits_repaired", 0))
+    in_exact = sum(max(0, min(b, exact_end) - a) for a, b in ranges)
+    in_repaired = sum(max(0, min(b, prefix_end) - max(a, exact_end)) for a, b in ranges)
     content = int(stats.get("hits_content", 0))
-    kept = int(stats.get("reused_approx", 0)) + int(stats.get("reused_block", 0))
-    return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + content,
-            "doc_tokens_recomputed": content - kept, "doc_tokens_kept": in_exact + kept}
+    cached, approx = in_exact + counts.replaced_cached, in_repaired + counts.replaced_approximate
+    return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + in_repaired + content,
+            "doc_tokens_recomputed": content - counts.replaced_cached - counts.replaced_approximate,
+            "doc_tokens_kept": cached + approx, "doc_tokens_cached": cached, "doc_tokens_approximate": approx}
 
 
 class KVBoostRAG:

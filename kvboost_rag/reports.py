@@ -8,25 +8,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvboost_core import cache_counts  # torch-free: the results module needs torch for annotations only
+
 if TYPE_CHECKING:
     from kvboost_core.results import GenerationResult
 
 # What the framework skins report of each call: LangChain's response_metadata["kvboost"] / generation_info,
 # LlamaIndex's additional_kwargs["kvboost"]. The call's own figures, never the adapter's last_stats (calls may
 # run concurrently).
-CALL_INFO_KEYS = ("ttft_s", "reuse_ratio", "reused_exact", "reused_approx", "reused_repaired", "recomputed",
-                  "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_recomputed", "documents",
-                  "documents_not_warmed", "prompt_tokens", "output_tokens", "mode")
+CALL_INFO_KEYS = ("ttft_s", "reuse_ratio", "reused_exact", "reused_block", "reused_approx", "reused_repaired",
+                  "recomputed", "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_cached",
+                  "doc_tokens_approximate", "doc_tokens_recomputed", "documents", "documents_not_warmed",
+                  "prompt_tokens", "output_tokens", "mode")
 
 
 def call_info(result: GenerationResult | None) -> dict[str, Any]:
-    """The call's figures (:data:`CALL_INFO_KEYS` of its stats); ``engine_finish_reason`` is the engine's own
-    reason: "eos", "stop" (a stop string, a stop token, or a constrained value completed) or "length"."""
+    """The call's figures (:data:`CALL_INFO_KEYS` of its stats), with ``cached_tokens`` and
+    ``cached_tokens_approximate`` as :func:`usage_counts` counts them; ``engine_finish_reason`` is the engine's
+    own reason: "eos", "stop" (a stop string, a stop token, or a constrained value completed) or "length"."""
     if result is None:
         return {}
     stats = result.stats or {}
     info = {k: stats[k] for k in CALL_INFO_KEYS if k in stats}
-    info["engine_finish_reason"] = result.finish_reason
+    counts = cache_counts(stats)
+    info.update(cached_tokens=counts.cached, cached_tokens_approximate=counts.approximate,
+                engine_finish_reason=result.finish_reason)
     return info
 
 
@@ -42,10 +48,12 @@ def openai_finish_reason(result: GenerationResult | None, tool_calls: bool = Fal
 
 def usage_counts(result: GenerationResult | None) -> dict[str, int]:
     """Token counts of one call: ``input_tokens``, ``output_tokens``, ``total_tokens``, and of the prompt's
-    tokens those whose KV was read from the cache and used as is (not recomputed):
+    tokens those whose KV was read from the cache and used as is, as :class:`kvboost_core.CacheCounts` defines
+    them (the same counts the server reports as ``cached_tokens`` / ``cached_tokens_approximate``):
 
-    - ``cache_read``: exact reuse only (a prefix KV hit, identical to computing it), the meaning OpenAI and
-      LangChain give cached tokens: a reply with them equals one without.
+    - ``cache_read``: exact reuse (a prompt-prefix hit, or a re-placed document that is exactly the block
+      adapter's own prefill), the meaning OpenAI and LangChain give cached tokens: a reply with them equals one
+      without.
     - ``cache_read_approximate``: re-placed document KV (and KV of an earlier repaired prefill) kept without
       recompute. It saves the same compute but is an approximation of the full prefill, so it is never
       counted in ``cache_read``; tokens repair recomputed are in neither.
@@ -53,11 +61,10 @@ def usage_counts(result: GenerationResult | None) -> dict[str, int]:
     if result is None:
         return {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "cache_read": 0,
                 "cache_read_approximate": 0}
-    stats = result.stats or {}
+    counts = cache_counts(result.stats)
     n_in, n_out = len(result.prompt_token_ids), len(result.token_ids)
-    approx = int(stats.get("reused_approx", 0)) + int(stats.get("reused_repaired", 0))
     return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
-            "cache_read": int(stats.get("reused_exact", 0)), "cache_read_approximate": approx}
+            "cache_read": counts.cached, "cache_read_approximate": counts.approximate}
 
 
 __all__ = ["CALL_INFO_KEYS", "call_info", "openai_finish_reason", "usage_counts"]

@@ -51,8 +51,8 @@ def test_finish_reason_and_usage_mapping():
     assert [openai_finish_reason(_result(r)) for r in ("eos", "stop", "length")] == ["stop", "stop", "length"]
     assert openai_finish_reason(_result("eos"), tool_calls=True) == "tool_calls"
     assert openai_finish_reason(None) is None
-    u = usage_counts(_result("eos", reused_exact=4, reused_approx=3, reused_repaired=2))
-    assert u == {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13, "cache_read": 4,
+    u = usage_counts(_result("eos", reused_exact=3, reused_block=1, reused_approx=3, reused_repaired=2))
+    assert u == {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13, "cache_read": 4,  # block is exact
                  "cache_read_approximate": 5}
 
 
@@ -66,7 +66,7 @@ def test_langchain_reply_reports_its_own_call(rag):
     assert msg.response_metadata["kvboost"]["engine_finish_reason"] == stats["finish_reason"]
     assert msg.response_metadata["finish_reason"] == ("length" if stats["finish_reason"] == "length" else "stop")
     details = msg.usage_metadata["input_token_details"]
-    assert details["cache_read"] == stats["reused_exact"]
+    assert details["cache_read"] == stats["reused_exact"] + stats["reused_block"]
     assert details["cache_read_approximate"] == stats["reused_approx"] + stats["reused_repaired"]
     assert details["cache_read_approximate"] > 0  # approximate reuse happened, and is not in cache_read
     assert msg.response_metadata["kvboost"]["documents_not_warmed"] == 0
@@ -107,7 +107,7 @@ def test_llamaindex_responses_carry_the_call_stats(rag):
     stats = rag.last_stats
     kw = resp.additional_kwargs
     assert kw["prompt_tokens"] == stats["prompt_tokens"] and kw["completion_tokens"] == stats["output_tokens"]
-    assert kw["cached_tokens"] == stats["reused_exact"]
+    assert kw["cached_tokens"] == stats["reused_exact"] + stats["reused_block"]
     assert kw["cached_tokens_approximate"] == stats["reused_approx"] + stats["reused_repaired"]
     assert kw["finish_reason"] in ("stop", "length") and kw["kvboost"]["engine_finish_reason"] == stats["finish_reason"]
     assert kw["kvboost"]["documents_not_warmed"] == 0 and kw["kvboost"]["reuse_ratio"] == stats["reuse_ratio"]

@@ -224,6 +224,7 @@ def test_metrics_need_a_key_and_show_the_callers_namespace_only(client):
 
 
 def test_a_stream_whose_client_went_away_is_not_a_200():
+    from kvboost_core import CacheCounts
     from kvboost_rag.app.server.app import _sse
     from kvboost_rag.app.server.metrics import Metrics
     from kvboost_rag.app.server.scheduler import Started
@@ -235,7 +236,8 @@ def test_a_stream_whose_client_went_away_is_not_a_200():
         q: asyncio.Queue = asyncio.Queue()
         for piece in ("a", "b"):
             q.put_nowait(("text", piece))
-        gen = _sse(state, q, object(), Started(3, 0, 0.1), 1e12, "id", 0, False, False, "/v1/completions")
+        gen = _sse(state, q, object(), Started(3, CacheCounts(3, 0, 0, 0, 3), 0.1), 1e12, "id", 0, False, False,
+                   "/v1/completions")
         await gen.__anext__()  # one chunk sent, then the client goes away
         await gen.aclose()
 

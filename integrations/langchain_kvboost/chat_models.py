@@ -87,8 +87,10 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
     ``response_metadata["finish_reason"]`` in OpenAI's words ("stop", "length" or "tool_calls"),
     ``response_metadata["kvboost"]`` the call's figures (reuse, documents, ``documents_not_warmed``, the
     engine's own ``engine_finish_reason``), and ``usage_metadata["input_token_details"]["cache_read"]`` the
-    prompt tokens whose KV was an exact cache hit; re-placed document KV used without recompute is
-    ``cache_read_approximate``, never counted as ``cache_read`` (see :func:`kvboost_rag.reports.usage_counts`).
+    prompt tokens served from exact cached KV (a prefix hit, or a block adapter's own prefill); re-placed or
+    repaired KV used without recompute is ``cache_read_approximate``, never counted as ``cache_read``. Both are
+    :class:`kvboost_core.CacheCounts`, the counts ``kvboost-rag serve`` reports as ``cached_tokens`` and
+    ``cached_tokens_approximate`` for the same prompt.
     """
 
     streaming: bool = Field(default=False, description="Stream by default when invoked (LangChain convention).")
@@ -228,7 +230,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
 
     @staticmethod
     def _usage(result: GenerationResult | None) -> UsageMetadata:
-        """Token counts; ``cache_read`` counts exact reuse only (see the class docstring)."""
+        """Token counts; ``cache_read`` counts exact and block-exact reuse only (see the class docstring)."""
         u = usage_counts(result)
         details: Any = {"cache_read": u["cache_read"], "cache_read_approximate": u["cache_read_approximate"]}
         return UsageMetadata(input_tokens=u["input_tokens"], output_tokens=u["output_tokens"],

@@ -206,7 +206,7 @@ async def _respond(state: ServerState, req: GenRequest, body: P._Sampling, reque
             raise payload
         elif kind == "done":
             break
-    use = P.usage(first.prompt_tokens, payload.completion_tokens, first.cached_tokens)
+    use = P.usage(first.prompt_tokens, payload.completion_tokens, first.counts)
     text = "".join(parts)
     out = (P.chat_body(rid, state.model_name, created, text, payload.reason, use) if chat else
            P.completion_body(rid, state.model_name, created, text, payload.reason, use))
@@ -246,7 +246,7 @@ async def _sse(state: ServerState, q: asyncio.Queue, req: GenRequest, first: Sta
                 yield _sse_line(P.chat_chunk(rid, model, created, {}, payload.reason) if chat else
                                 P.completion_body(rid, model, created, "", payload.reason, None, chunk=True))
                 if include_usage:
-                    use = P.usage(first.prompt_tokens, payload.completion_tokens, first.cached_tokens)
+                    use = P.usage(first.prompt_tokens, payload.completion_tokens, first.counts)
                     yield _sse_line(P.chat_chunk(rid, model, created, {}, None, use, choices=False) if chat else
                                     P.completion_body(rid, model, created, "", None, use, chunk=True,
                                                       choices=False))

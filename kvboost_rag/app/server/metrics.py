@@ -7,9 +7,12 @@ tokens/s, cache bytes per tier and namespace) are read from the scheduler and th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from kvboost_core import CacheCounts
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -23,11 +26,17 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.step = Histogram("kvboost_decode_step_seconds", "One batched decode step",
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r)
-        self.reuse = Histogram("kvboost_reuse_ratio", "Share of each prompt's tokens served from the KV cache",
+        self.reuse = Histogram("kvboost_reuse_ratio", "Share of each prompt's tokens served from the KV cache "
+                               "and used as is, exact or approximate (the engine's reuse_ratio)",
                                buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0), registry=r)
         self.prompt_tokens = Counter("kvboost_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.cached_tokens = Counter("kvboost_cached_prompt_tokens", "Prompt tokens whose KV was reused",
+        # the one definition of kvboost_core.CacheCounts, as usage.prompt_tokens_details reports it
+        self.cached_tokens = Counter("kvboost_cached_prompt_tokens", "Prompt tokens served from exact cached KV "
+                                     "(a prefix hit or a block adapter's own prefill): usage's cached_tokens",
                                      registry=r)
+        self.approximate_tokens = Counter("kvboost_approximate_prompt_tokens", "Prompt tokens served from "
+                                          "approximate KV kept without recompute (re-placed documents, repaired "
+                                          "prefixes), never in kvboost_cached_prompt_tokens", registry=r)
         self.generated = Counter("kvboost_generated_tokens", "Tokens generated", registry=r)
         self.decode_tokens = Counter("kvboost_decode_tokens", "Tokens produced by batched decode steps "
                                      "(with kvboost_decode_step_seconds_sum: decode throughput)", registry=r)
@@ -44,11 +53,12 @@ class Metrics:
                                    ["namespace", "tier"], registry=r)
 
     # called from the engine thread
-    def on_start(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_start(self, ttft_s: float, prompt_tokens: int, counts: CacheCounts) -> None:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
-        self.reuse.observe(cached_tokens / max(prompt_tokens, 1))
+        self.cached_tokens.inc(counts.cached)
+        self.approximate_tokens.inc(counts.approximate)
+        self.reuse.observe((counts.cached + counts.approximate) / max(prompt_tokens, 1))
 
     def on_finish(self, seconds: float, tokens: int) -> None:
         self.e2e.observe(seconds)

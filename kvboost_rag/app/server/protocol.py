@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from kvboost_core import CacheCounts
 
 
 class APIError(Exception):
@@ -176,10 +179,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, counts: CacheCounts) -> dict[str, Any]:
+    """OpenAI's ``usage``. ``prompt_tokens_details.cached_tokens`` is exact reuse only (a prompt-prefix hit, or a
+    block adapter's own prefill: a reply with them equals one without); ``cached_tokens_approximate`` (an
+    extension field) is re-placed or repaired KV kept without recompute, never counted as cached. Both as
+    :class:`kvboost_core.CacheCounts` defines them, the same counts ``ChatKVBoost`` and ``KVBoostLLM`` report."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": counts.cached,
+                                      "cached_tokens_approximate": counts.approximate}}
 
 
 def finish_reason(engine_reason: str) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvboost_core import CacheCounts, cache_counts
 from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
 from kvboost_core.decode import BadLogits, SamplingParams, TextStream, sample
 from kvboost_rag.aio import thread_setting
@@ -46,7 +47,7 @@ WARM_SLICE_OF_STEP = 0.3
 @dataclass(frozen=True, slots=True)
 class Started:
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the cache (exact prefix or re-placed documents)
+    counts: CacheCounts  # cached (exact) and approximate reuse, as usage and /metrics report them
     ttft_s: float  # from submission (queue wait included) to the first token
 
 
@@ -318,11 +319,10 @@ class Scheduler:
         except BadLogits as exc:  # this prompt's logits only: the batch never saw it
             self._bad_logits(r, exc)
             return
-        cached = sum(int(res.stats.get(k, 0)) for k in ("reused_exact", "reused_block", "reused_approx"))
-        ttft = time.perf_counter() - r.submitted
-        r.emit("start", Started(prompt_tokens=n, cached_tokens=cached, ttft_s=ttft))
+        counts, ttft = cache_counts(res.stats), time.perf_counter() - r.submitted
+        r.emit("start", Started(prompt_tokens=n, counts=counts, ttft_s=ttft))
         if self.metrics is not None:
-            self.metrics.on_start(ttft, n, cached)
+            self.metrics.on_start(ttft, n, counts)
         try:
             pre.store_prefix()  # after the first token: not on the TTFT path
         except Exception as exc:  # a failing store tier must not fail the request

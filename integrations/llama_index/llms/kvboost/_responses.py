@@ -1,8 +1,9 @@
 """What KVBoostLLM's responses carry of their own call, as llama-index's OpenAI LLM reports it: in
 ``additional_kwargs`` the token counts (``prompt_tokens``, ``completion_tokens``, ``total_tokens``, which
-llama-index's TokenCountingHandler reads), ``cached_tokens`` (prompt tokens whose KV was an exact cache hit;
-``cached_tokens_approximate``: re-placed document KV used without recompute, never counted as cached: see
-:func:`kvboost_rag.reports.usage_counts`), ``finish_reason`` in OpenAI's words ("stop", "length", "tool_calls")
+llama-index's TokenCountingHandler reads), ``cached_tokens`` (prompt tokens served from exact cached KV: a
+prefix hit, or a block adapter's own prefill; ``cached_tokens_approximate``: re-placed or repaired KV used
+without recompute, never counted as cached; both :class:`kvboost_core.CacheCounts`, as ``kvboost-rag serve``'s
+``usage`` reports them), ``finish_reason`` in OpenAI's words ("stop", "length", "tool_calls")
 and ``kvboost`` (the call's reuse figures, ``documents_not_warmed`` and the engine's own
 ``engine_finish_reason``); ``raw`` keeps the engine's result. A stream reports them on its last response (an
 empty delta), once the generation is over."""
