@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-SPLITS = ("tune", "eval", "heldout")
+SPLITS = ("tune", "eval", "heldout", "dev", "test")
 _PACKAGE = "kvboost_rag.app"
 _DIR = ("assets", "rag_corpus")
 # how many distractors of the gold document's kind retrieval_sets takes first (when the set has them)
@@ -65,7 +65,8 @@ def _str(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _parse(data: Any, split: str) -> RagCorpus:
+def parse(data: Any, split: str) -> RagCorpus:
+    """A corpus from its JSON object (version 1); ``split`` names it in errors."""
     if not isinstance(data, dict) or data.get("version") != 1:
         raise ValueError(f"rag corpus {split!r}: expected an object with version 1")
     docs = tuple(
@@ -93,7 +94,14 @@ def load_corpus(split: str) -> RagCorpus:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = resources.files(_PACKAGE).joinpath(*_DIR, f"{split}.json")
-    return _parse(json.loads(path.read_text(encoding="utf-8")), split)
+    return parse(json.loads(path.read_text(encoding="utf-8")), split)
+
+
+def split_exists(split: str) -> bool:
+    """Whether the package holds ``split`` (the dev and test splits of issue #32 may be absent in a checkout)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return resources.files(_PACKAGE).joinpath(*_DIR, f"{split}.json").is_file()
 
 
 def doc_text(doc: CorpusDoc) -> str:
