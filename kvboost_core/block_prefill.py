@@ -118,6 +118,20 @@ def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seq
     attention, and the HF cache after it. ``runs`` cover ``ids`` (the prompt; positions past the last run, such
     as teacher-forced answer tokens, are computed in the main pass). Differentiable. ``encoded``: a dict of
     document encodings (:func:`encode_documents`) to reuse across calls; missing documents are added to it."""
+    pieces, cache = _block_pass(model, ids, runs, lead, logits_from, encoded, hidden=False)
+    return torch.cat(pieces).float(), cache
+
+
+def block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
+                 rows_from: int | None = None, encoded: dict | None = None) -> tuple[torch.Tensor, Any]:
+    """As :func:`block_forward`, but the final (normed) hidden states (n_out, d) of those positions: the logits
+    are ``model.lm_head`` of them. Distillation matches these against the teacher's (``kvboost-rag adapt``)."""
+    pieces, cache = _block_pass(model, ids, runs, lead, rows_from, encoded, hidden=True)
+    return torch.cat(pieces), cache
+
+
+def _block_pass(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], start_at: int | None,
+                encoded: dict | None, hidden: bool) -> tuple[list[torch.Tensor], Any]:
     from transformers import DynamicCache
 
     n = len(ids)
@@ -125,7 +139,7 @@ def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seq
     if covered > n:
         raise ValueError(f"runs cover {covered} positions but ids has {n}")
     runs = [*runs, Run(covered, n)] if covered < n else list(runs)
-    start = n - 1 if logits_from is None else logits_from
+    start = n - 1 if start_at is None else start_at
     wanted = [r.doc for r in runs if r.doc is not None]
     if encoded is None:
         encoded = encode_documents(model, wanted, lead)
@@ -144,12 +158,17 @@ def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seq
         x = torch.tensor([list(ids[r.start: r.end])], device=device)
         pos = torch.arange(r.start, r.end, device=device).view(1, -1)
         keep = max(0, r.end - max(start, r.start))
-        out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
-        if keep:
-            pieces.append(out.logits[0, -keep:])
+        if hidden:
+            out = model.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+            if keep:
+                pieces.append(out.last_hidden_state[0, -keep:])
+        else:
+            out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
+            if keep:
+                pieces.append(out.logits[0, -keep:])
     if not pieces:
         raise ValueError(f"logits_from={start} falls on placed document tokens only")
-    return torch.cat(pieces).float(), cache
+    return pieces, cache
 
 
 @torch.inference_mode()

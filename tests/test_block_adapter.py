@@ -60,20 +60,26 @@ def test_hf_construction_equals_engine_none(tiny_llama, tokenizer):
 
 
 def _train_tiny(model, tokenizer, out_dir, steps=4):
-    """A tiny adapter trained for a few steps on the base model's own full-prefill answers."""
-    from kvboost_rag.app.adapt import teacher
+    """A tiny adapter trained for a few steps (recipe b: dense KL + hidden states) on the base model's own
+    full-prefill answers, through the trainer's own loop."""
+    from kvboost_rag.app import distill
+    from kvboost_rag.app.trainer import train
 
     eng = engine_for(model, tokenizer)
     lead = list(eng._warm_prefix)
-    samples = []
+    targets = []
     for order in (DOCS, DOCS[::-1], DOCS[1:]):
         segs = eng.tokenize(docs_prompt(order, " Who is Bob?", head="Q:"))
         ids = [t for s in segs for t in s.token_ids]
-        answer, logp = teacher(model, ids, 6, set())
-        samples.append(adapt_block.Sample(ids, block_runs(segs, eng.config.sink_tokens), answer, logp))
+        targets.append(distill.teacher_target(model, ids, block_runs(segs, eng.config.sink_tokens), 6, set()))
     lora = ReaderAdapter.attach(model, rank=4, alpha=8.0, base_fingerprint=eng.fingerprint)
-    losses = adapt_block.train(model, lora, lead, samples, steps, lr=2e-2, seed=0, log=None)
-    assert all(torch.isfinite(torch.tensor(losses)))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with lora.gated(True):
+        st = train(lora.parameters(), len(targets),
+                   lambda i: distill.student_loss(model, lead, targets[i], distill.RECIPES["b"]),
+                   steps=steps, lr=2e-2, seed=0, log=lambda *_: None)
+    assert all(torch.isfinite(torch.tensor(st.losses)))
     meta = BlockMeta(4, 8.0, TARGETS, str(eng.fingerprint), tuple(lead), eng.config.sink_tokens)
     save(str(out_dir), lora.state_dict(), meta)
     from safetensors.torch import load_file
@@ -200,11 +206,9 @@ def test_block_plan_is_the_served_prompt_and_its_reference_the_served_answer(tra
     assert not served_as_reference(rag, prompt, True, res.prompt_token_ids, wrong, 12)
     assert not served_as_reference(rag, prompt, True, res.prompt_token_ids[1:], res.token_ids, 12)
     assert block_plan(rag, "Where was Alice born?", True).documents == 0
-    # the trainer's sample is that plan, with the base model's full-prefill answer as the teacher
+    # the trainer's target is that plan, with the base model's full-prefill answer as the teacher
     monkeypatch.setattr(rag, "chat_prompt", lambda msgs: msgs[-1]["content"])
     monkeypatch.setattr(rag, "chat_add_special_tokens", lambda text: True)
-    chat = adapt_block.Chat([{"role": "user", "content": prompt}], DOCS)
-    sample = adapt_block.prepare(rag, chat, 6, rag.engine.model)
-    assert sample is not None and sample.ids == plan.ids and sample.runs == plan.runs
-    assert adapt_block.prepare(rag, adapt_block.Chat([{"role": "user", "content": "Who?"}], []), 6,
-                               rag.engine.model) is None
+    target = adapt_block.chat_target(rag, [{"role": "user", "content": prompt}], DOCS, 6)
+    assert target is not None and target.ids == plan.ids and target.runs == plan.runs
+    assert adapt_block.chat_target(rag, [{"role": "user", "content": "Who?"}], [], 6) is None

@@ -1,22 +1,26 @@
 """``kvboost-rag adapt --block``: train a block adapter (kvboost_core.block_adapter) by distillation.
 
-The training forward is the serving forward: :func:`kvboost_core.block_prefill.block_forward` encodes each
+The training forward is the serving forward: :func:`kvboost_core.block_prefill.block_hidden` encodes each
 document on its own behind the engine's warm lead-in, re-rotates its keys to where the engine places it, and
 computes the head, separators, question and answer in one causal pass over all of it, with LoRA on every
 projection of every token (documents included). Gradients flow through the documents' encodings.
 
-The teacher is the base model's plain full prefill of exactly the same ids: its greedy answer (teacher forcing)
-and its next-token distributions along it. The loss is KL(teacher || student) over the answer positions, so the
-adapted model is trained to give the base model's full-attention answers while reading documents as blocks.
-Under this loss a full-attention adapter (the control the issue asks for) starts at zero loss and has nothing
-to learn: any accuracy it could gain over the base model would come from data, and this loss has none to give.
+The teacher is the base model's plain full prefill of exactly the same ids (:mod:`.distill`): its greedy answer
+and, at every tail row, its sparse next-token distribution and final hidden state, computed once into
+``--data`` and shared by every run that names the same directory. Recipes (``--recipe``, :data:`distill.RECIPES`):
 
-Training chats (never the ``eval`` or ``heldout`` splits): the tune split's documents with its first 48
-questions, templated synthetic documents, and varied shapes: k from 2 to 16, documents cut to varied lengths,
-questions about one or two documents, some with an earlier turn in the history. Validation chats use the tune
-split's last 16 questions. Data and training write checkpoints into ``--out`` and resume from them.
+- ``a``: KL on the answer rows (the recipe of the shipped adapter);
+- ``b``: dense distillation: KL at every question and answer row, plus the teacher's hidden states there;
+- ``c``: ``b`` plus cross-entropy on the gold answer where a chat has one.
 
-    kvboost-rag adapt --block --out DIR --samples 320 --steps 480 --rank 16 --threads 2
+Training chats (:mod:`.train_corpus`): real English prose (standard-library docstrings, installed distributions'
+descriptions) and invented-entity documents, in five question kinds, some with an earlier turn. Never the
+hand-written splits. The dev split (``--dev``, k=12) is for every choice; the test split is never read here.
+A run stops at ``--steps`` or ``--cpu-minutes`` (the budget curve's x axis), checkpoints into ``--out`` and
+resumes from it; ``--eval`` scores the dev split at the end: accuracy of the adapted model under block attention
+against the base model's full prefill, with a paired bootstrap CI.
+
+    kvboost-rag adapt --block --data ~/kvb/data --out ~/kvb/b --recipe b --chats 1200 --cpu-minutes 30 --eval
 """
 
 from __future__ import annotations
@@ -25,90 +29,16 @@ import argparse
 import json
 import math
 import os
-import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvboost_rag.app.adapt import kl_loss, teacher
-from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM, user_message
+from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 from kvboost_rag.app.block_reference import block_plan
 from kvboost_rag.app.cli_util import positive_int
 
-if TYPE_CHECKING:  # torch loads when a command runs, so --help and argument errors come at once
-    import torch
-
-TUNE_TRAIN_QUESTIONS = 48  # tune questions [0, 48) train, [48, 64) validate
-KS = (2, 3, 4, 4, 5, 6, 6, 8, 8, 10, 12, 16)  # documents per chat, drawn uniformly from this list
-
-
-@dataclass(slots=True)
-class Chat:
-    messages: list[dict[str, str]]
-    docs: list[str]
-
-
-def _cut(text: str, rng: random.Random) -> str:
-    """Half the documents keep all sentences; the rest keep a random leading share (at least two)."""
-    if rng.random() < 0.5:
-        return text
-    sents = [s for s in text.replace("\n", "\n ").split(". ") if s]
-    keep = max(2, int(len(sents) * rng.uniform(0.4, 0.9)))
-    return ". ".join(sents[:keep]).rstrip(".") + "."
-
-
-def make_chats(corpus: Any, questions: Sequence[Any], n: int, seed: int) -> list[Chat]:
-    """``n`` varied RAG chats over ``corpus``'s documents, asking ``questions`` (each names its gold doc)."""
-    from kvboost_rag.app import rag_corpus as rc
-
-    rng = random.Random(seed)
-    by_id = {d.id: d for d in corpus.documents}
-    chats: list[Chat] = []
-    for _ in range(n):
-        k = min(rng.choice(KS), len(corpus.documents))
-        q1 = rng.choice(questions)
-        asked = [q1]
-        if rng.random() < 0.25:  # a second question, about another document
-            asked.append(rng.choice([q for q in questions if q.doc_id != q1.doc_id]))
-        gold = list(dict.fromkeys(q.doc_id for q in asked))
-        others = [d.id for d in corpus.documents if d.id not in gold]
-        ids = gold + rng.sample(others, max(0, k - len(gold)))
-        rng.shuffle(ids)
-        docs = [_cut(rc.doc_text(by_id[i]), rng) for i in ids]
-        msgs = [{"role": "system", "content": SYSTEM}]
-        if rng.random() < 0.2:  # an earlier turn: the documents came with it, the new question follows
-            first = rng.choice([q for q in questions if q.doc_id in ids])
-            msgs += [{"role": "user", "content": user_message(first.question, docs)},
-                     {"role": "assistant", "content": f"{first.answer}."}]
-            question = " ".join(q.question for q in asked)
-            msgs.append({"role": "user", "content": f"Question: {question}"})
-        else:
-            question = " ".join(q.question for q in asked)
-            msgs.append({"role": "user", "content": user_message(question, docs)})
-        chats.append(Chat(msgs, docs))
-    return chats
-
-
-@dataclass(slots=True)
-class Sample:
-    ids: list[int]  # the prompt's ids, as the engine sees them
-    runs: list[Any]  # block_prefill.Run: which positions come from which isolated document
-    answer: list[int]  # the teacher's greedy answer (EOS included when it ended)
-    teacher_logp: torch.Tensor  # (A, V) bf16 log-probs of the base model's full prefill along the answer
-
-
-def prepare(rag: Any, chat: Chat, max_new_tokens: int, teacher_model: Any) -> Sample | None:
-    """The engine's own plan of ``chat`` (its documents registered here) and the base model's answer to it;
-    None when the planner finds no document in it."""
-    register(rag, chat.docs)
-    prompt = rag.chat_prompt(chat.messages)
-    plan = block_plan(rag, prompt, rag.chat_add_special_tokens(prompt))
-    if not plan.documents:
-        return None
-    answer, logp = teacher(teacher_model, plan.ids, max_new_tokens, set(rag.engine.eos_token_ids))
-    return Sample(plan.ids, plan.runs, answer, logp)
+DEV_K = 12
 
 
 def register(rag: Any, texts: Sequence[str]) -> None:
@@ -121,171 +51,207 @@ def register(rag: Any, texts: Sequence[str]) -> None:
             _register(rag.registry, rag._encode_doc, text, rag.engine.encode(text))
 
 
-def student_logp(model: Any, lead: Sequence[int], s: Sample) -> torch.Tensor:
-    """(A, V) log-probs along the teacher's answer under block attention (the serving forward)."""
+def chat_target(rag: Any, msgs: Sequence[dict[str, str]], docs: Sequence[str], max_new_tokens: int,
+                kind: str = "", gold: str | None = None) -> Any:
+    """The engine's own plan of a chat (its documents registered here) and the base model's teacher target for
+    it (:func:`.distill.teacher_target`); None when the planner finds no document in it."""
+    from kvboost_rag.app.distill import tail_start, teacher_target
+
+    register(rag, docs)
+    prompt = rag.chat_prompt(list(msgs))
+    plan = block_plan(rag, prompt, rag.chat_add_special_tokens(prompt))
+    if not plan.documents or not 0 < tail_start(plan.runs) < len(plan.ids):
+        return None
+    eos = set(rag.engine.eos_token_ids)
+    gold_ids = None
+    if gold:
+        gold_ids = rag.engine.encode(gold) + sorted(eos)[:1]
+    return teacher_target(rag.engine.model, plan.ids, plan.runs, max_new_tokens, eos, kind=kind, gold=gold_ids)
+
+
+def dev_targets(rag: Any, root: str, max_new_tokens: int, split: str = "dev", limit: int | None = None) -> list[Any]:
+    """Teacher targets of ``split``'s questions at k=12 (retrieval_sets seed 0), cached under ``root``."""
+    from kvboost_rag.app import distill
+    from kvboost_rag.app import rag_corpus as rc
+
+    if split == "test":
+        raise ValueError("the test split is read once, by the final benchmark, never by the trainer")
+    corpus = rc.load_corpus(split)
+    sets = rc.retrieval_sets(corpus, DEV_K, 0)
+    if limit is not None and limit < len(sets):  # an even spread over the split's documents and kinds
+        sets = sets[:: len(sets) // limit][:limit]
+
+    def make(i: int) -> Any:
+        q, docs = sets[i]
+        texts = [rc.doc_text(d) for d in docs]
+        return chat_target(rag, messages(q.question, texts), texts, max_new_tokens, kind=q.id)
+
+    distill.build_targets(root, len(sets), make)
+    return distill.load_targets(root, len(sets))
+
+
+def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], max_new_tokens: int,
+             split: str = "dev", gates: Sequence[bool | None] = (True,)) -> dict[str, Any]:
+    """Accuracy of the base model's full prefill (the teacher's answers) and, per gate, of the model under block
+    attention (``None``: base weights; ``True``: the adapter), with paired bootstrap CIs; answer-row KL."""
     import torch
 
-    from kvboost_core.block_prefill import block_forward
+    from kvboost_core.block_prefill import block_greedy
+    from kvboost_rag.app import distill
+    from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.bench.stats import paired_accuracy
 
-    logits, _ = block_forward(model, s.ids + s.answer[:-1], s.runs, lead, logits_from=len(s.ids) - 1)
-    return torch.log_softmax(logits, -1)
+    corpus = rc.load_corpus(split)
+    qs = {q.id: q for q in corpus.questions}
+    tok, eos = rag.engine.tokenizer, set(rag.engine.eos_token_ids)
+    model = rag.engine.model
 
+    def text(ids: Sequence[int]) -> str:
+        return str(tok.decode([t for t in ids if t not in eos], skip_special_tokens=True))
 
-def evaluate(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sample]) -> dict[str, float]:
-    """Answer-position KL and first-token top-1 against the teacher: block attention without and with LoRA."""
-    import torch
-
-    out: dict[str, float] = {}
-    for name, gate in (("base", None), ("block", True)):
-        kls, top1 = [], []
-        with torch.no_grad(), lora.gated(gate):
-            for s in samples:
-                lp = student_logp(model, lead, s)
-                kls.append(float(kl_loss(s.teacher_logp, lp)))
-                top1.append(int(lp[0].argmax()) == s.answer[0])
-        out[f"{name}_kl"] = statistics.fmean(kls)
-        out[f"{name}_top1"] = sum(top1) / len(top1)
+    ref = [rc.is_correct(text(t.answer), qs[t.kind]) for t in targets]
+    out: dict[str, Any] = {"split": split, "k": DEV_K, "questions": len(targets), "full_acc": statistics.fmean(ref)}
+    for gate in gates:
+        name = "adapted" if gate else "base"
+        got, same, kls = [], [], []
+        encoded: dict = {}
+        with torch.inference_mode(), lora.gated(gate):
+            for t in targets:
+                _, tokens = block_greedy(model, t.ids, t.runs, lead, max_new_tokens, eos, encoded)
+                got.append(rc.is_correct(text(tokens), qs[t.kind]))
+                same.append(tokens == t.answer)
+                kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer"), encoded)))
+                encoded.clear()
+        pa = paired_accuracy(ref, got)
+        out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
+                     "same_answer": statistics.fmean(same), "answer_kl": statistics.fmean(kls)}
     return out
 
 
-def train(model: Any, lora: Any, lead: Sequence[int], samples: Sequence[Sample], steps: int, lr: float,
-          seed: int, ckpt: str | None = None, every: int = 20, log: Any = print) -> list[float]:
-    """AdamW on the LoRA weights, cosine schedule with 5% warm-up; resumes from and writes ``ckpt``."""
+def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[int], rank: int, alpha: float) -> None:
+    """Load a saved block adapter's LoRA weights into ``lora`` (a warm start); refuse a mismatched one."""
     import torch
-    from tqdm import tqdm
+    from safetensors.torch import load_file
 
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = lora.parameters()
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    losses: list[float] = []
-    start = 0
-    if ckpt and os.path.isfile(ckpt):
-        state = torch.load(ckpt, weights_only=False)
-        lora.load_state_dict(state["lora"])
-        opt.load_state_dict(state["opt"])
-        start, losses = int(state["step"]), list(state["losses"])
-        log(f"resuming at step {start}/{steps}")
-    order = list(range(len(samples))) * (steps // max(1, len(samples)) + 1)
-    random.Random(seed).shuffle(order)
-    warmup = max(1, steps // 20)
-    bar = tqdm(range(start, steps), desc="block adapter", initial=start, total=steps, mininterval=10)
-    with lora.gated(True):
-        for step in bar:
-            scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-            for g in opt.param_groups:
-                g["lr"] = lr * scale
-            s = samples[order[step]]
-            loss = kl_loss(s.teacher_logp, student_logp(model, lead, s))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{statistics.fmean(losses[-20:]):.4f}")
-            if ckpt and ((step + 1) % every == 0 or step + 1 == steps):
-                tmp = ckpt + ".tmp"
-                torch.save({"lora": lora.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                            "losses": losses}, tmp)
-                os.replace(tmp, ckpt)
-    for p in params:
-        p.requires_grad_(False)
-    return losses
+    from kvboost_core.block_adapter import META, WEIGHTS, BlockMeta
 
-
-def build_data(rag: Any, chats: Sequence[Chat], max_new_tokens: int, path: str | None, log: Any = print
-               ) -> list[Sample]:
-    """Teacher answers for ``chats``, resumed from and checkpointed to ``path`` every 16 chats."""
-    import torch
-    from tqdm import tqdm
-
-    done: list[Sample] = []
-    if path and os.path.isfile(path):
-        done = [Sample(**d) for d in torch.load(path, weights_only=False)]
-        log(f"resuming data at {len(done)}/{len(chats)} chats")
-    model = rag.engine.model
-    for i in tqdm(range(len(done), len(chats)), desc="teacher answers", initial=len(done), total=len(chats),
-                  mininterval=10):
-        s = prepare(rag, chats[i], max_new_tokens, model)
-        if s is None:
-            raise RuntimeError(f"chat {i} has no document the engine recognises: were its documents warmed?")
-        done.append(s)
-        if path and ((i + 1) % 16 == 0 or i + 1 == len(chats)):
-            torch.save([{f: getattr(x, f) for f in Sample.__slots__} for x in done], path + ".tmp")
-            os.replace(path + ".tmp", path)
-    return done
+    with open(os.path.join(directory, META)) as f:
+        meta = BlockMeta.from_json(json.load(f))
+    if meta.base_fingerprint != base_fingerprint or tuple(lead) != meta.warm_prefix:
+        raise ValueError(f"--init {directory!r} was trained on another base model or lead-in")
+    if (meta.rank, meta.alpha) != (rank, alpha):
+        raise ValueError(f"--init {directory!r} has rank/alpha {meta.rank}/{meta.alpha}, this run {rank}/{alpha}")
+    lora.load_state_dict({k: t.to(torch.float32) for k, t in load_file(os.path.join(directory, WEIGHTS)).items()})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvboost_rag.app import distill
+
     ap = argparse.ArgumentParser(prog="kvboost-rag adapt --block", description=__doc__.split("\n")[0])
     ap.add_argument("--block", action="store_true", help="(selects this trainer)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name or a local HF folder (the base model)")
-    ap.add_argument("--out", required=True, help="directory for block.safetensors + block.json and checkpoints")
-    ap.add_argument("--samples", type=positive_int, default=320, help="training chats (the teacher runs once each)")
-    ap.add_argument("--synth-share", type=float, default=0.5, help="share of training chats on synthetic documents")
-    ap.add_argument("--synth-docs", type=positive_int, default=240, help="synthetic documents to write")
-    ap.add_argument("--val", type=positive_int, default=16, help="validation chats (tune questions 48-63)")
-    ap.add_argument("--steps", type=positive_int, default=480, help="optimizer steps (one chat each)")
+    ap.add_argument("--out", required=True, help="directory for block.safetensors + block.json and the checkpoint")
+    ap.add_argument("--data", default=None, help="teacher-target directory, shareable across runs (default: OUT/data)")
+    ap.add_argument("--recipe", choices=sorted(distill.RECIPES), default="b",
+                    help="a: answer-row KL; b: dense KL + hidden states; c: b + gold answers (default: b)")
+    ap.add_argument("--chats", type=positive_int, default=1200, help="training chats (the teacher runs once each)")
+    ap.add_argument("--entities", type=positive_int, default=1200, help="invented-entity documents in the pool")
+    ap.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps (one chat each)")
+    ap.add_argument("--cpu-minutes", type=float, default=None, help="stop after this much CPU time in training")
     ap.add_argument("--rank", type=positive_int, default=16, help="LoRA rank")
     ap.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / rank)")
     ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
-    ap.add_argument("--max-new-tokens", type=positive_int, default=24, help="teacher answer length")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=16, help="teacher answer length")
+    ap.add_argument("--eval", action="store_true", help="score the dev split at the end")
+    ap.add_argument("--dev-limit", type=positive_int, default=None, help="score N dev questions, spread evenly over the split")
+    ap.add_argument("--data-only", action="store_true", help="compute teacher targets, then stop")
+    ap.add_argument("--init", default=None, help="start from this block adapter's weights (same rank and alpha)")
+    ap.add_argument("--eval-only", action="store_true", help="score --init (or the base model) on dev; no training")
+    ap.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1 ...")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time in training")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     args = ap.parse_args(argv)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
-    if not 0.0 <= args.synth_share <= 1.0:
-        ap.error(f"--synth-share must be in [0, 1], got {args.synth_share!r}")
+    for flag in ("cpu_minutes", "minutes"):
+        value = getattr(args, flag)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
+    if args.init and not os.path.isfile(os.path.join(args.init, "block.json")):
+        ap.error(f"--init {args.init!r} holds no block.json (a directory `kvboost-rag adapt --block` wrote)")
     from kvboost_rag.app.loading import load_rag
 
-    t0 = time.perf_counter()
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
     import torch
 
     from kvboost_core.block_adapter import TARGETS, BlockMeta, save
     from kvboost_core.reader import ReaderAdapter
-    from kvboost_rag.app import rag_corpus as rc
-    from kvboost_rag.app.synth_corpus import synthetic_corpus
+    from kvboost_rag.app import train_corpus as tc
+    from kvboost_rag.app.trainer import train
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)  # here, so the adapter's initial weights do not depend on how the model loaded
     os.makedirs(args.out, exist_ok=True)
+    data = args.data or os.path.join(args.out, "data")
     engine = rag.engine
+    engine.model.to(args.device)  # training reads the model through plain HF calls, never the engine's forward
     lead = list(engine.warm_prefix_ids)
-    tune = rc.load_corpus("tune")
-    synth = synthetic_corpus(args.synth_docs, args.seed)
-    n_synth = round(args.samples * args.synth_share)
-    chats = (make_chats(tune, tune.questions[:TUNE_TRAIN_QUESTIONS], args.samples - n_synth, args.seed)
-             + make_chats(synth, synth.questions, n_synth, args.seed + 1))
-    val_chats = make_chats(tune, tune.questions[TUNE_TRAIN_QUESTIONS:], args.val, args.seed + 2)
-    samples = build_data(rag, chats, args.max_new_tokens, os.path.join(args.out, "data.pt"))
-    val = build_data(rag, val_chats, args.max_new_tokens, os.path.join(args.out, "val.pt"))
-    t_data = time.perf_counter() - t0
+    c0 = time.process_time()
+    pool = tc.training_pool(args.entities, args.seed)
+    chats = tc.make_chats(pool, args.chats, args.seed)
+
+    def make(i: int) -> Any:
+        c = chats[i]
+        return chat_target(rag, c.messages, c.docs, args.max_new_tokens, c.kind, c.gold)
+
+    if not args.eval_only:
+        distill.build_targets(os.path.join(data, "train"), len(chats), make)
+    scored = args.eval or args.eval_only
+    dev = dev_targets(rag, os.path.join(data, "dev"), args.max_new_tokens, limit=args.dev_limit) if scored else []
+    data_cpu = time.process_time() - c0
+    if args.data_only:
+        print(f"teacher targets ready under {data} ({data_cpu / 60:.1f} CPU-min this run)")
+        return 0
+    torch.manual_seed(args.seed)  # here, so the adapter's initial weights do not depend on how the model loaded
     lora = ReaderAdapter.attach(engine.model, rank=args.rank, alpha=args.alpha, base_fingerprint=engine.fingerprint)
-    t1 = time.perf_counter()
-    losses = train(engine.model, lora, lead, samples, args.steps, args.lr, args.seed,
-                   ckpt=os.path.join(args.out, "train.pt"))
-    t_train = time.perf_counter() - t1
-    after = evaluate(engine.model, lora, lead, val)
-    print(f"validation: {after}")
-    tokens = [len(s.ids) for s in samples]
+    engine.model.to(args.device)  # the LoRA modules sit inside the model
+    if args.init:
+        init_from(lora, args.init, str(engine.fingerprint), lead, args.rank, args.alpha)
+    for p in engine.model.parameters():
+        p.requires_grad_(False)
+    if args.eval_only:
+        scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True, None) if args.init else (None,))
+        scores["adapter"] = args.init
+        print(json.dumps(scores, indent=1))
+        with open(os.path.join(args.out, "dev_eval.json"), "w") as f:
+            json.dump(scores, f, indent=1)
+        return 0
+    targets = distill.load_targets(os.path.join(data, "train"), len(chats))
+    recipe = distill.RECIPES[args.recipe]
+
+    def loss_at(i: int) -> Any:
+        return distill.student_loss(engine.model, lead, targets[i], recipe)
+
+    with lora.gated(True):
+        st = train(lora.parameters(), len(targets), loss_at, steps=args.steps, lr=args.lr, seed=args.seed,
+                   ckpt=os.path.join(args.out, "train.pt"), cpu_minutes=args.cpu_minutes, minutes=args.minutes,
+                   state_dict=lora.state_dict, load_state_dict=lora.load_state_dict, desc=f"block adapter ({args.recipe})")
+    result: dict[str, Any] = {}
+    if args.eval:
+        result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True, None))
+        print(json.dumps(result, indent=1))
+    trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device, "chats": len(targets), "pool": tc.pool_hash(pool),
+               "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
+               "alpha": args.alpha, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
+               "threads": torch.get_num_threads(), "prompt_tokens_median": statistics.median(len(t.ids) for t in targets),
+               "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log, "dev": result}
     meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead), engine.config.sink_tokens,
-                     trained={"base": args.model, "samples": len(samples), "synth_share": args.synth_share,
-                              "val": len(val), "steps": args.steps, "rank": args.rank, "alpha": args.alpha,
-                              "lr": args.lr, "max_new_tokens": args.max_new_tokens, "ks": list(KS),
-                              "prompt_tokens_median": statistics.median(tokens), "data_s": round(t_data, 1),
-                              "train_s": round(t_train, 1), "threads": torch.get_num_threads(),
-                              "val_kl_base": after["base_kl"], "val_kl_block": after["block_kl"],
-                              "val_top1_base": after["base_top1"], "val_top1_block": after["block_top1"],
-                              "final_loss_20": statistics.fmean(losses[-20:]), "loss_curve": losses[::10]})
+                     trained=trained)
     fp = save(args.out, lora.state_dict(), meta)
     size = os.path.getsize(os.path.join(args.out, "block.safetensors"))
-    print(json.dumps({k: v for k, v in meta.trained.items() if k != "loss_curve"}, indent=1))
-    print(f"saved to {args.out} ({size / 1e6:.1f} MB, fingerprint {fp[:16]})")
+    print(f"saved to {args.out} ({size / 1e6:.1f} MB, fingerprint {fp[:16]}, {st.step} steps, "
+          f"{st.cpu_s / 60:.1f} CPU-min)")
     return 0
 
 

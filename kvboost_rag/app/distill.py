@@ -1,0 +1,231 @@
+"""Teacher targets and losses for the block adapter's distillation (issue #32), computed once and kept on disk.
+
+The teacher is the base model's plain full prefill of exactly the ids the engine serves. For each chat it gives,
+at every **tail position** (from the end of the last document to the end of the teacher's greedy answer: the
+question, the chat template's turn markers and the answer, teacher-forced):
+
+- the next-token distribution, kept sparse: the top ``K`` log-probs and the log of the mass left over (``rest``);
+- the final (normed) hidden state, fp16.
+
+The student is the adapted model under block attention (:func:`kvboost_core.block_prefill.block_hidden`), on the
+same ids. Losses (all means over rows):
+
+- :func:`sparse_kl`: KL(teacher || student) between the two distributions coarsened to the teacher's top ``K``
+  tokens plus one bucket for everything else. It is the exact KL of those coarsened distributions, a lower bound
+  of the full KL, and equal to it when the teacher's rest mass is zero;
+- :func:`hidden_loss`: squared error of the final hidden states relative to the teacher's squared norm;
+- ``answer`` recipe: the KL on the answer rows only (the recipe of the shipped adapter); ``dense``: every tail row
+  plus ``hidden_weight`` times the hidden loss.
+
+Targets are written in shards of ``SHARD`` chats (``targets-00000.pt``...), each complete before it is renamed into
+place, so a killed run resumes at the first missing shard. torch loads on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvboost_core.block_prefill import Run
+
+TOP_K = 64
+SHARD = 32
+
+
+@dataclass(slots=True)
+class Target:
+    ids: list[int]  # the prompt's ids, as the engine tokenizes them
+    runs: list[Run]  # which positions come from which isolated document
+    tail_from: int  # the first position after the last placed document token
+    answer: list[int]  # the teacher's greedy answer (EOS included when it ended)
+    top_idx: torch.Tensor  # (R, K) int32: the teacher's top tokens at rows tail_from .. len(ids) + len(answer) - 2
+    top_logp: torch.Tensor  # (R, K) fp16 log-probs of those tokens
+    rest_logp: torch.Tensor  # (R,) fp32: log of the teacher's mass outside the top K
+    hidden: torch.Tensor  # (R, d) fp16: the teacher's final hidden states at those rows
+    kind: str = ""
+    gold: list[int] | None = None  # the gold answer's ids, where the chat has one
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids) - self.tail_from + len(self.answer) - 1
+
+    @property
+    def answer_rows(self) -> int:
+        return len(self.answer)
+
+
+def tail_start(runs: Sequence[Run]) -> int:
+    """The first position after the last run taken from a document (0 when there is none)."""
+    ends = [r.end for r in runs if r.doc is not None]
+    return max(ends) if ends else 0
+
+
+def _sparse(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
+
+    logp = torch.log_softmax(logits.float(), -1)
+    top_logp, top_idx = logp.topk(k, -1)
+    rest = torch.logsumexp(logp.scatter(-1, top_idx, float("-inf")), -1)
+    return top_idx.to(torch.int32), top_logp.to(torch.float16), rest
+
+
+def teacher_target(model: Any, ids: Sequence[int], runs: Sequence[Run], max_new_tokens: int, eos: set[int],
+                   top_k: int = TOP_K, kind: str = "", gold: list[int] | None = None) -> Target:
+    """The base model's full prefill of ``ids``, its greedy answer, and its sparse distributions and hidden
+    states at every tail row (one prefill and one decode step per answer token)."""
+    import torch
+
+    from kvboost_core.adapters import output_cache
+
+    tail = tail_start(runs)
+    if not 0 < tail < len(ids):
+        raise ValueError(f"the prompt needs a document before its last token (tail at {tail} of {len(ids)})")
+    with torch.inference_mode():
+        device = next(model.parameters()).device
+        out = model.model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True)
+        hs = [out.last_hidden_state[0, tail:]]
+        logits = model.lm_head(hs[0]).float()
+        cache, answer, rows = output_cache(out), [], [logits]
+        nxt = int(logits[-1].argmax())
+        while True:
+            answer.append(nxt)
+            if nxt in eos or len(answer) >= max_new_tokens:
+                break
+            out = model.model(input_ids=torch.tensor([[nxt]], device=device), cache=cache, use_cache=True)
+            cache = output_cache(out)
+            hs.append(out.last_hidden_state[0, -1:])
+            rows.append(model.lm_head(hs[-1]).float())
+            nxt = int(rows[-1][-1].argmax())
+        top_idx, top_logp, rest = _sparse(torch.cat(rows), top_k)
+        hidden = torch.cat(hs).to(torch.float16).cpu()
+        top_idx, top_logp, rest = top_idx.cpu(), top_logp.cpu(), rest.cpu()
+    return Target(list(ids), list(runs), tail, answer, top_idx, top_logp, rest, hidden, kind, gold)
+
+
+def sparse_kl(t_idx: torch.Tensor, t_logp: torch.Tensor, t_rest: torch.Tensor, s_logp: torch.Tensor
+              ) -> torch.Tensor:
+    """Per-row KL(teacher || student) over the teacher's top-K tokens plus one rest bucket. ``s_logp``: (R, V)
+    student log-probs; the teacher's rows as stored (:class:`Target`). Returns (R,)."""
+    import torch
+
+    idx = t_idx.long()
+    tl = t_logp.float()
+    s_top = s_logp.gather(-1, idx)
+    s_rest = torch.logsumexp(s_logp.scatter(-1, idx, float("-inf")), -1)
+    r = t_rest.float()
+    return (tl.exp() * (tl - s_top)).sum(-1) + r.exp() * (r - s_rest)
+
+
+def hidden_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per-row squared error of the hidden states relative to the teacher's squared norm. (R,)"""
+    t = teacher.float()
+    return ((student.float() - t) ** 2).sum(-1) / (t**2).sum(-1).clamp_min(1e-6)
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What a training step minimises (fixed for a run; the per-step state is the sample)."""
+
+    rows: str = "answer"  # "answer": the answer rows only; "dense": every tail row
+    hidden_weight: float = 0.0  # times the hidden-state loss over the same rows
+    gold_weight: float = 0.0  # times the cross-entropy of the gold answer (an extra pass, where a chat has one)
+
+    def __post_init__(self) -> None:
+        if self.rows not in ("answer", "dense"):
+            raise ValueError(f"rows must be 'answer' or 'dense', got {self.rows!r}")
+        if self.hidden_weight < 0 or self.gold_weight < 0:
+            raise ValueError("hidden_weight and gold_weight must be >= 0")
+
+
+RECIPES = {"a": Recipe("answer"), "b": Recipe("dense", hidden_weight=0.5),
+           "c": Recipe("dense", hidden_weight=0.5, gold_weight=0.5)}
+
+
+def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
+                 encoded: dict | None = None) -> torch.Tensor:
+    """The recipe's loss of the (gated) adapted model under block attention on ``t``: differentiable."""
+    import torch
+
+    from kvboost_core.block_prefill import block_hidden
+
+    h, _ = block_hidden(model, t.ids + t.answer[:-1], t.runs, lead, rows_from=t.tail_from, encoded=encoded)
+    first = 0 if recipe.rows == "dense" else t.rows - t.answer_rows
+    h = h[first:]
+    s_logp = torch.log_softmax(model.lm_head(h).float(), -1)
+    dev = h.device
+    loss = sparse_kl(t.top_idx[first:].to(dev), t.top_logp[first:].to(dev), t.rest_logp[first:].to(dev),
+                     s_logp).mean()
+    if recipe.hidden_weight:
+        loss = loss + recipe.hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
+    if recipe.gold_weight and t.gold:
+        hg, _ = block_hidden(model, t.ids + t.gold[:-1], t.runs, lead, rows_from=len(t.ids) - 1, encoded=encoded)
+        ce = torch.nn.functional.cross_entropy(model.lm_head(hg).float(), torch.tensor(t.gold, device=hg.device))
+        loss = loss + recipe.gold_weight * ce
+    return loss
+
+
+# ---- targets on disk ------------------------------------------------------------------------------------------
+
+def shard_path(root: str, i: int) -> str:
+    return os.path.join(root, f"targets-{i:05d}.pt")
+
+
+def _to_dict(t: Target) -> dict[str, Any]:
+    return {f: getattr(t, f) for f in Target.__slots__}
+
+
+def _read_shard(path: str) -> dict[str, Any]:
+    import torch
+
+    try:
+        raw = torch.load(path, weights_only=False)
+        if not (isinstance(raw, dict) and {"first", "end", "targets"} <= raw.keys()):
+            raise ValueError("not a teacher shard (no first/end/targets)")
+        return raw
+    except Exception as exc:  # noqa: BLE001 - a corrupt shard names itself
+        raise ValueError(f"corrupt teacher shard {path}: {exc}") from exc
+
+
+def load_targets(root: str, limit: int | None = None) -> list[Target]:
+    """The targets of the shards under ``root``, in chat order (at most ``limit``)."""
+    out: list[Target] = []
+    i = 0
+    while os.path.isfile(shard_path(root, i)) and (limit is None or len(out) < limit):
+        out += [Target(**d) for d in _read_shard(shard_path(root, i))["targets"]]
+        i += 1
+    return out[:limit] if limit is not None else out
+
+
+def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: Any = print) -> int:
+    """Targets of chats ``0..n-1`` (``make(i)``; None skips a chat) in shards of :data:`SHARD` chats under
+    ``root``. A shard records the chats it covers: complete shards are kept, a short last one (an earlier,
+    smaller ``n``) is redone, so a killed or extended run resumes where it stopped. Returns the targets held."""
+    import torch
+    from tqdm import tqdm
+
+    os.makedirs(root, exist_ok=True)
+    first = 0
+    while first < n and os.path.isfile(shard_path(root, first // SHARD)):
+        if _read_shard(shard_path(root, first // SHARD))["end"] < min(first + SHARD, n):
+            break  # a short shard: redo it
+        first += SHARD
+    if first:
+        log(f"teacher targets: resuming at chat {min(first, n)}/{n}")
+    t0 = time.process_time()
+    bar = tqdm(total=n, initial=min(first, n), desc="teacher targets", mininterval=30)
+    for start in range(first, n, SHARD):
+        end = min(start + SHARD, n)
+        shard = [_to_dict(t) for t in (make(i) for i in range(start, end)) if t is not None]
+        tmp = shard_path(root, start // SHARD) + ".tmp"
+        torch.save({"first": start, "end": end, "targets": shard}, tmp)
+        os.replace(tmp, shard_path(root, start // SHARD))
+        bar.update(end - start)
+    bar.close()
+    log(f"teacher targets: {n} chats under {root} ({time.process_time() - t0:.0f} CPU-s this run)")
+    return len(load_targets(root))
