@@ -174,6 +174,9 @@ class BlockAdapter:
             raise ValueError(f"block_adapter: {directory!r} was trained with documents behind the lead-in "
                              f"{list(meta.warm_prefix)[:8]}..., this engine warms behind {list(warm_prefix)[:8]}...; "
                              "use the warm_prefix it was trained with")
+        if os.path.isfile(os.path.join(directory, "links.safetensors")):
+            raise ValueError(f"block_adapter: {directory!r} has link slots (links.safetensors), which the engine "
+                             "cannot serve yet; measure it with `kvboost-rag adapt --block --eval-only --init DIR`")
         try:
             tensors = load_file(weights)
         except Exception as e:  # safetensors raises its own error types for corrupt files

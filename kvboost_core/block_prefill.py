@@ -35,6 +35,7 @@ class Run:
     end: int
     doc: tuple[int, ...] | None = None
     offset: int = 0
+    link: bool = False  # link slots after a document (kvboost_core.block_links): computed, from a trained table
 
 
 def block_runs(segments: Iterable[Any], sink_tokens: int) -> list[Run]:
@@ -113,25 +114,29 @@ def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence
 
 
 def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
-                  logits_from: int | None = None, encoded: dict | None = None) -> tuple[torch.Tensor, Any]:
+                  logits_from: int | None = None, encoded: dict | None = None,
+                  links: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """Logits (n_out, V) of positions ``logits_from``.. of ``ids`` (default: the last position) under block
     attention, and the HF cache after it. ``runs`` cover ``ids`` (the prompt; positions past the last run, such
     as teacher-forced answer tokens, are computed in the main pass). Differentiable. ``encoded``: a dict of
-    document encodings (:func:`encode_documents`) to reuse across calls; missing documents are added to it."""
-    pieces, cache = _block_pass(model, ids, runs, lead, logits_from, encoded, hidden=False)
+    document encodings (:func:`encode_documents`) to reuse across calls; missing documents are added to it.
+    ``links``: (L, d) input embeddings of the link slots (runs with ``link=True``), where the prompt has them."""
+    pieces, cache = _block_pass(model, ids, runs, lead, logits_from, encoded, hidden=False, links=links)
     return torch.cat(pieces).float(), cache
 
 
 def block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
-                 rows_from: int | None = None, encoded: dict | None = None) -> tuple[torch.Tensor, Any]:
+                 rows_from: int | None = None, encoded: dict | None = None,
+                 links: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """As :func:`block_forward`, but the final (normed) hidden states (n_out, d) of those positions: the logits
     are ``model.lm_head`` of them. Distillation matches these against the teacher's (``kvboost-rag adapt``)."""
-    pieces, cache = _block_pass(model, ids, runs, lead, rows_from, encoded, hidden=True)
+    pieces, cache = _block_pass(model, ids, runs, lead, rows_from, encoded, hidden=True, links=links)
     return torch.cat(pieces), cache
 
 
 def _block_pass(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], start_at: int | None,
-                encoded: dict | None, hidden: bool) -> tuple[list[torch.Tensor], Any]:
+                encoded: dict | None, hidden: bool, links: torch.Tensor | None = None
+                ) -> tuple[list[torch.Tensor], Any]:
     from transformers import DynamicCache
 
     n = len(ids)
@@ -158,12 +163,17 @@ def _block_pass(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seque
         x = torch.tensor([list(ids[r.start: r.end])], device=device)
         pos = torch.arange(r.start, r.end, device=device).view(1, -1)
         keep = max(0, r.end - max(start, r.start))
+        inp: dict[str, Any] = {"input_ids": x}
+        if r.link:
+            if links is None or links.shape[0] < r.end - r.start:
+                raise ValueError(f"the prompt has {r.end - r.start} link slots at {r.start}; pass links of as many rows")
+            inp = {"inputs_embeds": links[: r.end - r.start].unsqueeze(0).to(model.dtype)}
         if hidden:
-            out = model.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+            out = model.model(**inp, position_ids=pos, cache=cache, use_cache=True)
             if keep:
                 pieces.append(out.last_hidden_state[0, -keep:])
         else:
-            out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
+            out = model(**inp, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
             if keep:
                 pieces.append(out.logits[0, -keep:])
     if not pieces:
@@ -173,11 +183,12 @@ def _block_pass(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Seque
 
 @torch.inference_mode()
 def block_greedy(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], max_new_tokens: int,
-                 eos: set[int], encoded: dict | None = None) -> tuple[torch.Tensor, list[int]]:
+                 eos: set[int], encoded: dict | None = None, links: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list[int]]:
     """First-token logits and the greedy continuation of ``ids`` under block attention, decoded on HF's cache."""
     from kvboost_core.adapters import output_cache
 
-    logits, cache = block_forward(model, ids, runs, lead, encoded=encoded)
+    logits, cache = block_forward(model, ids, runs, lead, encoded=encoded, links=links)
     first = logits[-1]
     tokens = [int(first.argmax())]
     pos = len(ids)

@@ -80,7 +80,8 @@ def test_student_under_full_attention_has_zero_loss_and_block_attention_does_not
                           t.hidden)
     with torch.inference_mode():
         for recipe in distill.RECIPES.values():
-            assert float(distill.student_loss(model, lead, full, recipe)) < 2e-3
+            if not recipe.links:  # link slots change the prompt: no longer the teacher's (test_block_links)
+                assert float(distill.student_loss(model, lead, full, recipe)) < 2e-3
         assert float(distill.student_loss(model, lead, t, distill.RECIPES["b"])) > 1e-3
 
 

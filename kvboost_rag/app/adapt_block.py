@@ -39,6 +39,8 @@ from kvboost_rag.app.block_reference import block_plan
 from kvboost_rag.app.cli_util import positive_int
 
 DEV_K = 12
+LINKS_KEY = "links.table"
+LINKS_FILE = "links.safetensors"  # kvboost_core.block_adapter refuses an adapter directory that holds one
 
 
 def register(rag: Any, texts: Sequence[str]) -> None:
@@ -91,9 +93,10 @@ def dev_targets(rag: Any, root: str, max_new_tokens: int, split: str = "dev", li
 
 
 def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], max_new_tokens: int,
-             split: str = "dev", gates: Sequence[bool | None] = (True,)) -> dict[str, Any]:
+             split: str = "dev", gates: Sequence[bool | None] = (True,), links: Any = None) -> dict[str, Any]:
     """Accuracy of the base model's full prefill (the teacher's answers) and, per gate, of the model under block
-    attention (``None``: base weights; ``True``: the adapter), with paired bootstrap CIs; answer-row KL."""
+    attention (``None``: base weights; ``True``: the adapter), with paired bootstrap CIs; answer-row KL.
+    ``links``: a link table's rows (the prompts get that many link slots after every document)."""
     import torch
 
     from kvboost_core.block_prefill import block_greedy
@@ -116,11 +119,14 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
         got, same, kls = [], [], []
         encoded: dict = {}
         with torch.inference_mode(), lora.gated(gate):
+            n_links = 0 if links is None else int(links.shape[0])
             for t in targets:
-                _, tokens = block_greedy(model, t.ids, t.runs, lead, max_new_tokens, eos, encoded)
+                ids, runs, _ = distill.student_view(t, [], n_links)
+                _, tokens = block_greedy(model, ids, runs, lead, max_new_tokens, eos, encoded, links)
                 got.append(rc.is_correct(text(tokens), qs[t.kind]))
                 same.append(tokens == t.answer)
-                kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer"), encoded)))
+                kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer", links=n_links),
+                                                      encoded, links)))
                 encoded.clear()
         pa = paired_accuracy(ref, got)
         out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
@@ -153,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for block.safetensors + block.json and the checkpoint")
     ap.add_argument("--data", default=None, help="teacher-target directory, shareable across runs (default: OUT/data)")
     ap.add_argument("--recipe", choices=sorted(distill.RECIPES), default="b",
-                    help="a: answer-row KL; b: dense KL + hidden states; c: b + gold answers (default: b)")
+                    help="a: answer-row KL; b: dense KL + hidden states; c: b + gold answers; d: b + 4 link slots "
+                    "after each document (default: b)")
     ap.add_argument("--chats", type=positive_int, default=1200, help="training chats (the teacher runs once each)")
     ap.add_argument("--entities", type=positive_int, default=1200, help="invented-entity documents in the pool")
     ap.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps (one chat each)")
@@ -229,17 +236,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     targets = distill.load_targets(os.path.join(data, "train"), len(chats))
     recipe = distill.RECIPES[args.recipe]
+    table = None
+    if recipe.links:
+        from kvboost_core.block_links import LinkTable
+
+        table = LinkTable(engine.model, recipe.links, engine.encode("\n")[-1], args.seed).to(args.device)
+    params = lora.parameters() + ([table.table] if table is not None else [])
+
+    def weights() -> dict[str, Any]:
+        return {**lora.state_dict(), **({LINKS_KEY: table.table.detach().cpu()} if table is not None else {})}
+
+    def load_weights(tensors: dict[str, Any]) -> None:
+        if table is not None:
+            with torch.no_grad():
+                table.table.copy_(tensors.pop(LINKS_KEY))
+        lora.load_state_dict(tensors)
 
     def loss_at(i: int) -> Any:
-        return distill.student_loss(engine.model, lead, targets[i], recipe)
+        return distill.student_loss(engine.model, lead, targets[i], recipe,
+                                    links=table() if table is not None else None)
 
     with lora.gated(True):
-        st = train(lora.parameters(), len(targets), loss_at, steps=args.steps, lr=args.lr, seed=args.seed,
+        st = train(params, len(targets), loss_at, steps=args.steps, lr=args.lr, seed=args.seed,
                    ckpt=os.path.join(args.out, "train.pt"), cpu_minutes=args.cpu_minutes, minutes=args.minutes,
-                   state_dict=lora.state_dict, load_state_dict=lora.load_state_dict, desc=f"block adapter ({args.recipe})")
+                   state_dict=weights, load_state_dict=load_weights, desc=f"block adapter ({args.recipe})")
     result: dict[str, Any] = {}
     if args.eval:
-        result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True, None))
+        with torch.no_grad():
+            rows = table().detach() if table is not None else None
+        result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True,) if rows is not None else
+                          (True, None), links=rows)
         print(json.dumps(result, indent=1))
     trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device, "chats": len(targets), "pool": tc.pool_hash(pool),
                "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
@@ -249,6 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead), engine.config.sink_tokens,
                      trained=trained)
     fp = save(args.out, lora.state_dict(), meta)
+    if table is not None:  # the engine cannot serve link slots yet: a separate file it refuses to load past
+        from safetensors.torch import save_file
+
+        save_file({LINKS_KEY: table.table.detach().cpu().contiguous()}, os.path.join(args.out, LINKS_FILE))
     size = os.path.getsize(os.path.join(args.out, "block.safetensors"))
     print(f"saved to {args.out} ({size / 1e6:.1f} MB, fingerprint {fp[:16]}, {st.step} steps, "
           f"{st.cpu_s / 60:.1f} CPU-min)")

@@ -135,26 +135,42 @@ class Recipe:
     rows: str = "answer"  # "answer": the answer rows only; "dense": every tail row
     hidden_weight: float = 0.0  # times the hidden-state loss over the same rows
     gold_weight: float = 0.0  # times the cross-entropy of the gold answer (an extra pass, where a chat has one)
+    links: int = 0  # link slots after each document (kvboost_core.block_links), trained with the LoRA
 
     def __post_init__(self) -> None:
         if self.rows not in ("answer", "dense"):
             raise ValueError(f"rows must be 'answer' or 'dense', got {self.rows!r}")
-        if self.hidden_weight < 0 or self.gold_weight < 0:
-            raise ValueError("hidden_weight and gold_weight must be >= 0")
+        if self.hidden_weight < 0 or self.gold_weight < 0 or self.links < 0:
+            raise ValueError("hidden_weight, gold_weight and links must be >= 0")
 
 
 RECIPES = {"a": Recipe("answer"), "b": Recipe("dense", hidden_weight=0.5),
-           "c": Recipe("dense", hidden_weight=0.5, gold_weight=0.5)}
+           "c": Recipe("dense", hidden_weight=0.5, gold_weight=0.5),
+           "d": Recipe("dense", hidden_weight=0.5, links=4)}
+LINK_FILL_ID = 0  # the placeholder id of a link slot (never embedded: the slot's input is the table's row)
+
+
+def student_view(t: Target, extra: Sequence[int], n_links: int) -> tuple[list[int], list[Run], int]:
+    """The student's ids (the prompt, then ``extra`` teacher-forced tokens), runs and first tail row, with
+    ``n_links`` link slots after every document (the tail's rows are the teacher's, shifted)."""
+    from kvboost_core.block_links import insert_links, shift_of
+
+    ids, runs = insert_links(t.ids + list(extra), t.runs, n_links, LINK_FILL_ID)
+    return ids, runs, t.tail_from + shift_of(t.runs, n_links)
 
 
 def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
-                 encoded: dict | None = None) -> torch.Tensor:
-    """The recipe's loss of the (gated) adapted model under block attention on ``t``: differentiable."""
+                 encoded: dict | None = None, links: torch.Tensor | None = None) -> torch.Tensor:
+    """The recipe's loss of the (gated) adapted model under block attention on ``t``: differentiable.
+    ``links``: the link table's rows when ``recipe.links`` > 0."""
     import torch
 
     from kvboost_core.block_prefill import block_hidden
 
-    h, _ = block_hidden(model, t.ids + t.answer[:-1], t.runs, lead, rows_from=t.tail_from, encoded=encoded)
+    if recipe.links and (links is None or links.shape[0] != recipe.links):
+        raise ValueError(f"recipe has {recipe.links} link slots; pass a link table of as many rows")
+    ids, runs, tail = student_view(t, t.answer[:-1], recipe.links)
+    h, _ = block_hidden(model, ids, runs, lead, rows_from=tail, encoded=encoded, links=links)
     first = 0 if recipe.rows == "dense" else t.rows - t.answer_rows
     h = h[first:]
     s_logp = torch.log_softmax(model.lm_head(h).float(), -1)
@@ -164,7 +180,9 @@ def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
     if recipe.hidden_weight:
         loss = loss + recipe.hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
     if recipe.gold_weight and t.gold:
-        hg, _ = block_hidden(model, t.ids + t.gold[:-1], t.runs, lead, rows_from=len(t.ids) - 1, encoded=encoded)
+        gids, gruns, _ = student_view(t, t.gold[:-1], recipe.links)
+        hg, _ = block_hidden(model, gids, gruns, lead, rows_from=len(gids) - len(t.gold), encoded=encoded,
+                             links=links)
         ce = torch.nn.functional.cross_entropy(model.lm_head(hg).float(), torch.tensor(t.gold, device=hg.device))
         loss = loss + recipe.gold_weight * ce
     return loss
