@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from conftest import SHARED_STORIES
@@ -339,13 +340,18 @@ def test_serve_applies_threads(monkeypatch):
 
     seen = {}
 
-    def fake_run(args):
+    def fake_run(args, sock=None):
         seen["threads"] = torch.get_num_threads()
+        if sock is not None:  # the port, bound by serve's checks before torch loads
+            sock.close()
         return 0
 
     monkeypatch.setattr(server_main, "run", fake_run)
     want = 3 if torch.get_num_threads() != 3 else 2
-    assert cli.main(["serve", "--model", "demo", "--threads", str(want)]) == 0
+    with socket.socket() as s:  # a free port: the checks bind it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["serve", "--model", "demo", "--threads", str(want), "--port", str(port)]) == 0
     assert seen["threads"] == want
 
 

@@ -339,15 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvboost_rag.app.server.main import run
+    from kvboost_rag.app.server import main as server
 
-    return run(args)
+    with server.sigterm_exits_zero():  # SIGTERM: exit status 0, while loading as while serving
+        sock = server.preflight(args)  # the arguments, --model and the port, before torch and the weights load
+        try:
+            set_threads(args.threads, args.model)  # its worker threads copy it
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        return server.run(args, sock)
 
 
 def _run(args: argparse.Namespace) -> int:
-    set_threads(args.threads, args.model)  # every command, serve included (its worker threads copy it)
     if args.command == "serve":
         return run_serve(args)
+    set_threads(args.threads, args.model)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "warm":

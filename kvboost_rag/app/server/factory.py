@@ -24,7 +24,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
+    """The serve arguments alone, before anything loads: a bad one is one error line (exit status 2)."""
     for name in ("max_batch", "port"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -45,7 +46,7 @@ def access(args: argparse.Namespace) -> tuple[dict[str, str] | None, str]:
     """Check the arguments, load the key file and say how the server is exposed: (keys, host to bind)."""
     from kvboost_rag.app.server.auth import load_key_file
 
-    _check(args)
+    check_args(args)
     try:
         keys = load_key_file(args.namespace_keys) if args.namespace_keys else None
     except ValueError as exc:

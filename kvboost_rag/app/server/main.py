@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-from kvboost_rag.app.cli_util import positive_int
-from kvboost_rag.app.server.factory import LOOPBACK, build
+from kvboost_rag.app.cli_util import UserError, positive_int
+from kvboost_rag.app.server.factory import LOOPBACK, build, check_args
 
 
 def parse_size(value: str) -> int:
@@ -32,12 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
                                                 "the server has no authentication, so keep it on loopback)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--store", default="memory", help="KV store spec: memory, disk:/path, redis://host:6379/0")
+    p.add_argument("--store", default="memory",
+                   help="KV store spec: memory, disk:/path, redis://host:6379/0 (default memory)")
     p.add_argument("--namespace-keys", default=None, metavar="FILE",
                    help="JSON/YAML {api_key: namespace}: requires a key; each namespace has its own cache")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (1 turns batching off)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together (default 8; 1 turns batching off)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="chunked prefill: a long prompt's head is computed about this many tokens per scheduler "
                         "iteration, between the running requests' decode steps (default 512; 0: whole prompts). "
@@ -53,11 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 8MiB)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="a request's output does not depend on the requests batched with it, to the last bit of "
-                        "its logits (default); --no-deterministic runs each decode step as plain batched calls, "
-                        "faster at large batches (see README, Serving)")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
+                        "its logits (default on); --no-deterministic runs each decode step as plain batched "
+                        "calls, faster at large batches (see docs/serving.md)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds per request before 504 (default 300)")
     p.add_argument("--default-temperature", type=float, default=1.0,
-                   help="temperature when a request gives none (OpenAI's default is 1.0; 0 is greedy)")
+                   help="temperature when a request gives none (default 1.0, OpenAI's: sampled; 0 is greedy). "
+                        "--deterministic is about batching, not sampling: a request's own seed fixes its "
+                        "sampling")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for the embedded demo model, else torch's default)")
     p.add_argument("--catalogue-max-docs", type=positive_int, default=None, metavar="N",
@@ -78,20 +90,94 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow decode
 
 
-def run(args: argparse.Namespace) -> int:
+def bind(host: str, port: int) -> socket.socket:
+    """The socket for ``host:port``, bound now and listening only once uvicorn serves on it (until then a
+    client is refused, as before): a port in use is one error line before the model loads."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise UserError(f"--host {host}: cannot bind it ({exc.strerror or exc})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        why = "in use by another process; choose another --port" if exc.errno == errno.EADDRINUSE \
+            else (exc.strerror or str(exc))
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({why})") from None
+    return sock
+
+
+def preflight(args: argparse.Namespace) -> socket.socket | None:
+    """What can be checked before anything heavy loads (torch, the weights): the arguments, ``--model``
+    resolvable, and the port free (bound here: the socket is returned, None with --ray, whose proxy binds
+    it). A problem is one ``kvboost-rag: error:`` line and exit status 2, in well under a second."""
+    from kvboost_rag.app import demo_data as dd
+    from kvboost_rag.app.loading import DEMO, check_model_arg
+
+    check_args(args)
+    if args.model == DEMO:
+        if not dd.demo_model_available():
+            raise UserError(f"--model {DEMO}: the embedded demo model is missing ({dd.DEMO_MODEL_DIR}); pass "
+                            "--model PATH or build it with scripts/train_demo_model.py")
+    else:
+        check_model_arg(args.model)
+    return None if args.ray else bind(args.host or LOOPBACK, args.port)
+
+
+def _exit_zero(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+@contextlib.contextmanager
+def sigterm_exits_zero() -> Iterator[None]:
+    """SIGTERM before the server serves (checks, loading) stops the command with exit status 0, as it does
+    while serving (:func:`run`); the handler is restored after. Signals belong to the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _exit_zero)
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Serve until stopped; SIGTERM or Ctrl-C shuts down gracefully (SIGTERM: exit status 0). ``sock`` is
+    :func:`preflight`'s; without it the checks run here."""
+    if sock is None and not args.ray:
+        sock = preflight(args)
     if args.ray:
         from kvboost_rag.app.server.ray_serve import run as run_ray
 
         return run_ray(args)
+    assert sock is not None
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main_thread else None
     try:
-        import uvicorn
-    except ImportError as exc:
-        raise SystemExit(f"the server needs its extra: pip install 'kvboost-rag[serve]' ({exc})") from None
-    app, host = build(args)
-    print(f"kvboost-rag serve: {app.state.kv.model_name} on http://{host}:{args.port}/v1 "
-          f"(max batch {args.max_batch}, queue {args.max_queue}"
-          f"{'' if args.deterministic else ', not deterministic'})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=args.port, log_level="warning", access_log=args.access_log)
+        try:
+            import uvicorn
+        except ImportError as exc:
+            raise SystemExit(f"the server needs its extra: pip install 'kvboost-rag[serve]' ({exc})") from None
+        app, host = build(args)
+        print(f"kvboost-rag serve: {app.state.kv.model_name} on http://{host}:{args.port}/v1 "
+              f"(max batch {args.max_batch}, queue {args.max_queue}"
+              f"{'' if args.deterministic else ', not deterministic'})", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=args.access_log))
+        if main_thread:
+            # While serving, uvicorn handles SIGTERM itself (a graceful shutdown) and then raises it again once
+            # stopped, which under the default handler made the exit status 143; under this one that second
+            # SIGTERM is harmless (exit 0), and one arriving before uvicorn takes over stops it before it serves.
+            signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if main_thread and before is not None:
+            signal.signal(signal.SIGTERM, before)
     return 0
 
 
@@ -99,10 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvboost-rag serve")
     add_arguments(p)
     args = p.parse_args(argv)
+    from kvboost_rag.app.cli_util import run_guarded
     from kvboost_rag.app.loading import set_threads
 
-    set_threads(args.threads, args.model)
-    return run(args)
+    def serve() -> int:
+        with sigterm_exits_zero():
+            sock = preflight(args)  # before torch is imported
+            set_threads(args.threads, args.model)
+            return run(args, sock)
+
+    return run_guarded(serve, debug=False)
 
 
 if __name__ == "__main__":
