@@ -9,6 +9,7 @@ a full prefill timed side by side.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -82,6 +83,18 @@ class PromptFidelity:
     base_top1_agree: float | None = None
 
 
+def speedup_text(ttft_ratio: float) -> str:
+    """A reuse / full TTFT ratio in the docs' wording (``kvboost_rag.app.fmt.speedup``'s): full / reuse as
+    "N.NNx faster", or "N.NNx slower" when reuse took longer (it printed "0.86x faster"); "n/a" when unmeasured.
+    The direction is decided on the printed digits, so equal-looking ratios never read "1.00x slower"."""
+    if not (math.isfinite(ttft_ratio) and ttft_ratio > 0):
+        return "n/a"
+    faster = 1.0 / ttft_ratio
+    if faster >= 1.0 or f"{ttft_ratio:.2f}" == "1.00":
+        return f"{max(faster, 1.0):.2f}x faster"
+    return f"{ttft_ratio:.2f}x slower"
+
+
 @dataclass(slots=True)
 class FidelityReport:
     rows: list[PromptFidelity] = field(default_factory=list)
@@ -115,7 +128,7 @@ class FidelityReport:
         for repair, s in self.summary().items():
             lines.append(f"{repair:<12}{s['prompts']:>8}{s['max_abs_diff']:>13.3g}{s['mean_kl']:>11.4f}"
                          f"{s['top1_agree']:>8.1%}{s['greedy_match']:>8.1%}{s['reuse_ratio']:>8.1%}"
-                         f"{s['recomputed_share']:>8.1%}  {1 / max(s['ttft_ratio'], 1e-9):.2f}x faster")
+                         f"{s['recomputed_share']:>8.1%}  {speedup_text(s['ttft_ratio'])}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

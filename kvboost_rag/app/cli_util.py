@@ -5,9 +5,12 @@ one-line error policy, and one way to print a speedup. Nothing heavy is imported
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from kvboost_rag.app.fmt import speedup
 
 REPAIRS = ("none", "selective", "cacheblend", "full")  # kvboost_core.config.REPAIRS, without importing it
 
@@ -67,10 +70,12 @@ def repairs_list(text: str) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- output
 def format_speedup(full_s: float, reuse_s: float) -> str:
-    """The one way the CLI prints a TTFT speedup: full-prefill time over reuse time, "N.NNx faster"."""
-    if reuse_s <= 0 or full_s <= 0:
+    """The one way the CLI prints a TTFT speedup: full-prefill time over reuse time, "N.NNx faster", or
+    "N.NNx slower" when reuse took longer (:func:`kvboost_rag.app.fmt.speedup`; it printed "0.86x faster");
+    "n/a" when either time is missing."""
+    if not all(math.isfinite(t) and t > 0 for t in (full_s, reuse_s)):
         return "n/a"
-    return f"{full_s / reuse_s:.2f}x faster"
+    return speedup(full_s, reuse_s)
 
 
 def fidelity_table(summary: dict[str, dict[str, float]]) -> str:
