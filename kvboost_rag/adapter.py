@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration, cache_counts
-from kvboost_core.segments import lead_token_ids
+from kvboost_core.segments import check_utf8, lead_token_ids
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
@@ -79,6 +79,25 @@ def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[
     return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + in_repaired + content,
             "doc_tokens_recomputed": content - counts.replaced_cached - counts.replaced_approximate,
             "doc_tokens_kept": cached + approx, "doc_tokens_cached": cached, "doc_tokens_approximate": approx}
+
+
+def check_chat_messages(messages: Any) -> None:
+    """Chat messages as chat templates take them (``[{"role", "content", ...}]``), checked before rendering, so
+    a caller's mistake is an error naming the message instead of the tokenizer's bare TypeError later, or
+    nothing at all. ``content`` is text: a lone surrogate is a ValueError, as the engine says of a prompt; ``None``
+    is a TypeError (it rendered as an empty message), except on an assistant message carrying ``tool_calls``
+    (OpenAI's shape). Other content (a list of parts) is left to the template."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        content = m.get("content")
+        if isinstance(content, str):
+            check_utf8(content, f"messages[{i}].content")
+        elif content is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
+            raise TypeError(f"messages[{i}] (role {m.get('role')!r}) has no content (None); give it text, \"\" "
+                            "for an empty message")
 
 
 class KVBoostRAG:
@@ -146,7 +165,9 @@ class KVBoostRAG:
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template's rendering of ``messages`` (and of ``tools``, OpenAI-style function schemas,
-        for templates that support them) followed by the assistant's generation prompt."""
+        for templates that support them) followed by the assistant's generation prompt. Each message is checked
+        first (:func:`check_chat_messages`)."""
+        check_chat_messages(messages)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template or use the "
                              "completion interface (generate/KVBoostLLM) instead")
@@ -202,6 +223,7 @@ class KVBoostRAG:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}; for chat messages use "
                             "chat_prompt(messages) first")
+        check_utf8(prompt, "prompt")  # the tokenizer's own error is a bare TypeError
         special = self._special(add_special_tokens)
         if kv_documents is not None:
             return self._plan_explicit(prompt, kv_documents, special)
@@ -210,7 +232,8 @@ class KVBoostRAG:
     def _plan_explicit(self, prompt: str, kv_documents: Any, special: bool) -> PromptPlan:
         docs: list[RegisteredDoc] = []
         unwarmed: list[str] = []
-        for text in document_texts(kv_documents):
+        for i, text in enumerate(document_texts(kv_documents)):
+            check_utf8(text, f"kv_documents[{i}]")
             reg = self.registry.by_text(text)
             if reg is None and text:
                 unwarmed.append(text)

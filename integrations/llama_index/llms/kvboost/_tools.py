@@ -58,8 +58,10 @@ def tool_chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         role = m.role.value if hasattr(m.role, "value") else str(m.role)
-        d: dict[str, Any] = {"role": role, "content": m.content or ""}
         calls = m.additional_kwargs.get("tool_calls")
+        # No text: "" for an assistant's tool calls, else None, which chat_prompt rejects naming the message (it
+        # was rendered as an empty message).
+        d: dict[str, Any] = {"role": role, "content": "" if m.content is None and calls else m.content}
         if calls:
             d["tool_calls"] = [{"id": c.tool_id, "type": "function",
                                 "function": {"name": c.tool_name, "arguments": c.tool_kwargs}}
