@@ -195,7 +195,21 @@ def shard_path(root: str, i: int) -> str:
 
 
 def _to_dict(t: Target) -> dict[str, Any]:
-    return {f: getattr(t, f) for f in Target.__slots__}
+    """A target as stored: runs as plain tuples, so a shard does not depend on the Run class's layout."""
+    out = {f: getattr(t, f) for f in Target.__slots__}
+    out["runs"] = [(r.start, r.end, r.doc, r.offset, r.link) for r in t.runs]
+    return out
+
+
+def _from_dict(d: dict[str, Any]) -> Target:
+    from kvboost_core.block_prefill import Run
+
+    def run(r: Any) -> Run:
+        if isinstance(r, tuple):
+            return Run(*r)
+        return Run(r.start, r.end, r.doc, r.offset, getattr(r, "link", False))  # a shard of an earlier layout
+
+    return Target(**{**d, "runs": [run(r) for r in d["runs"]]})
 
 
 def _read_shard(path: str) -> dict[str, Any]:
@@ -215,7 +229,7 @@ def load_targets(root: str, limit: int | None = None) -> list[Target]:
     out: list[Target] = []
     i = 0
     while os.path.isfile(shard_path(root, i)) and (limit is None or len(out) < limit):
-        out += [Target(**d) for d in _read_shard(shard_path(root, i))["targets"]]
+        out += [_from_dict(d) for d in _read_shard(shard_path(root, i))["targets"]]
         i += 1
     return out[:limit] if limit is not None else out
 
