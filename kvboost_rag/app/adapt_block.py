@@ -264,8 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval:
         with torch.no_grad():
             rows = table().detach() if table is not None else None
-        result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True,) if rows is not None else
-                          (True, None), links=rows)
+        result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True,), links=rows)
         print(json.dumps(result, indent=1))
     trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device, "chats": len(targets), "pool": tc.pool_hash(pool),
                "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
