@@ -51,6 +51,9 @@ class BackfillJob:
     token_ids: tuple[int, ...]
     chunks: tuple[Chunk, ...]
     prompt_len: int = -1  # tokens of the prompt it was generated from (-1: all of token_ids)
+    # True: stored as canonical chunks (kvboost_core.canonical), which a chat call's history reads; False: as
+    # the engine's ordinary prefix entries, which other calls read
+    canonical: bool = False
 
     def continued_by(self, ids: Sequence[int]) -> bool:
         """Is ``ids`` a later turn of this conversation (this job's prompt followed by more)?"""
@@ -126,7 +129,8 @@ class BackfillResult:
 
 
 def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], generated: Sequence[int],
-                     spans_of: Callable[[Sequence[int]], list[tuple[int, int]]]) -> BackfillJob:
+                     spans_of: Callable[[Sequence[int]], list[tuple[int, int]]], *,
+                     canonical: bool = False) -> BackfillJob:
     """The job for a prompt and what was generated after it, chunked as the next turn's prompt will be.
 
     A chat template continues the prompt's last text segment with the answer, so the generated tokens extend
@@ -146,7 +150,8 @@ def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chun
         head = [c for c in chunks if c.segment != len(segments) - 1]
         tail_start, tail_ids, seg_index = last.start, [*last.token_ids, *gen], len(segments) - 1
     tail = [Chunk(tail_start + a, tail_start + b, seg_index) for a, b in spans_of(tail_ids)] if tail_ids else []
-    return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(head + tail), prompt_len=len(ids))
+    return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(head + tail), prompt_len=len(ids),
+                       canonical=canonical)
 
 
 def step_ends(chunks: Sequence[Chunk], step_tokens: int) -> list[int]:
@@ -215,7 +220,7 @@ class Backfiller:
             if self._closed:
                 return
             for old in list(self._pending):
-                if job.token_ids[: len(old.token_ids)] == old.token_ids:
+                if old.canonical == job.canonical and job.token_ids[: len(old.token_ids)] == old.token_ids:
                     self._pending.remove(old)  # superseded: the new job covers it
                     self._pending_tokens -= len(old.token_ids)
             self._pending.append(job)

@@ -18,6 +18,11 @@ the engine's ordinary prefix entries, whose KV comes from other computations); p
 prefix hits are not used. With ``kv_bits`` set, a computed canonical chunk is quantized and placed back before
 it is used, exactly as a stored one would be served.
 
+A chat's history (``exact_before``: the prompt up to the end of its last assistant message, see
+:mod:`kvboost_core.exact_history`) is never re-placed: its documents are computed like any other head token, so
+the history's KV is the exact full-attention prefill in canonical chunks, bitwise the same whether a backfill
+stored them or the prompt computes them now.
+
 Cost: the prompt head is computed chunk by chunk (``chunk_size`` positions per forward) instead of in one pass;
 the chunks between ``p`` and the question are unchanged. Nothing is lost on a warm head: it is one exact hit.
 """
@@ -25,15 +30,17 @@ the chunks between ``p`` and the question are unchanged. Nothing is lost on a wa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
 
+from kvboost_core.adapters import ScatterCache
 from kvboost_core.assembly import (
     APPROX,
     EXACT,
     FRESH,
+    Chunk,
     Placement,
     Plan,
     chain_digest,
@@ -44,6 +51,7 @@ from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult
+from kvboost_core.segments import TokenizedSegment
 from kvboost_core.store.base import KVStore
 
 _CHAIN = (-1,)  # no tokenizer emits -1: the canonical chain's root differs from the engine's prefix chain
@@ -82,22 +90,29 @@ class CanonicalJob:
     what lets a scheduler interleave a long cold prompt's prefill with decode steps (chunked prefill)."""
 
     def __init__(self, engine: Any, prompt: Any, spec: RepairSpec, add_special_tokens: bool | None,
-                 *, build_blocks: bool) -> None:
+                 *, build_blocks: bool, prepared: tuple[list[TokenizedSegment], int, list[Chunk]] | None = None,
+                 exact_before: int = 0, capacity: int = 0, head_end: int | None = None) -> None:
+        """``prepared``: the prompt's (segments, tokens, chunks), tokenized already. ``exact_before``: no
+        document starting before this position is re-placed (a chat's history: computed exactly, in canonical
+        chunks). ``capacity``: cache slots (at least the prompt's; decode needs more). ``head_end``: cut here
+        instead (a chunk end; a backfill's canonical chunks)."""
         t0 = time.perf_counter()
         a = engine.adapter
         if a.no_reuse or not a.layerwise:
             raise ValueError("canonical prefill needs a layer-wise model adapter (a Llama-like RoPE family)")
-        segs, total, chunks = engine._prompt_chunks(prompt, add_special_tokens)
+        segs, total, chunks = prepared or engine._prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
         cfg = engine.config
         view = cast(KVStore, _ContentOnly(engine.store))  # lookup reads get() and children() only
         precision = kv_precision(cfg.kv_bits, cfg.kv_group_size)  # the key space of this engine's stored KV
+        if exact_before > 0:  # the history's documents are not re-placed: not looked up by content
+            segs = [replace(s, cacheable=False) if s.start < exact_before else s for s in segs]
         plan = lookup(view, segs, chunks, namespace=cfg.namespace, fingerprint=engine.fingerprint,
                       spans_of=engine._spans, sink_tokens=cfg.sink_tokens, allow_approx=a.rope.rerotatable,
                       allow_repaired=False, precision=precision)
         ids = plan.token_ids
         first = min(next((i for i, s in enumerate(plan.status) if s == APPROX), total - 1), total - 1)
-        p = max(ch.start for ch in chunks if ch.start <= first)
+        p = max(ch.start for ch in chunks if ch.start <= first) if head_end is None else head_end
         head = [ch for ch in chunks if ch.end <= p]
 
         # stored canonical chunks, whole ones only, chained from the canonical root
@@ -117,7 +132,7 @@ class CanonicalJob:
             plan.placements.append(Placement(block, 0, ch.start, ch.end - ch.start, exact=True))
             hit_end, hits = ch.end, hits + 1
         t_lookup = time.perf_counter()
-        self._cache = engine._new_cache(total)
+        self._cache = engine._new_cache(max(total, capacity))
         place(plan, self._cache.keys, self._cache.values, a.inner.rotary_emb)
         t_place = time.perf_counter()
         self._engine, self._spec, self._build = engine, spec, build_blocks
@@ -131,6 +146,11 @@ class CanonicalJob:
     @property
     def n_prompt(self) -> int:
         return self._total
+
+    @property
+    def cache(self) -> ScatterCache:
+        """The per-layer buffers the prompt's KV is written into (``capacity`` slots)."""
+        return self._cache
 
     @property
     def done(self) -> bool:
@@ -160,6 +180,12 @@ class CanonicalJob:
                         self._to_store.append((key, block))
         self._forward_s += time.perf_counter() - t0
         return self.done
+
+    def finish_head(self) -> list[tuple[CacheKey, Any]]:
+        """Every head chunk computed, nothing after it (a backfill's step): the computed chunks to store."""
+        self.advance(None)
+        out, self._to_store = self._to_store, []
+        return out
 
     def finish(self) -> CanonicalPrefill:
         """The rest of the prompt in one forward (after any head chunks not computed yet): the result."""

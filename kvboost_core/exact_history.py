@@ -1,15 +1,42 @@
-"""The engine's exact-history stage (see :mod:`kvboost_core.backfill`): the background thread's step, and the
-public ``backfill``/``wait_backfill``."""
+"""The engine's exact-history stage (see :mod:`kvboost_core.backfill`): the background thread's step, the
+public ``backfill``/``wait_backfill``, and a chat call's prefill.
+
+A chat call (``history_tokens=h``: the skins' chat calls pass the length of the prompt up to the end of its last
+assistant message) follows one rule: the history ``[0, h)`` is never re-placed. Its KV is the exact
+full-attention prefill in canonical chunks (:mod:`kvboost_core.canonical`): each chunk one forward over the
+canonical KV before it, so it is bitwise the same whether it comes from the store (a backfill put it there) or
+is computed now. Warmed documents are re-placed only after ``h`` (the new turn: turn 1's system and user
+messages, a later turn's new question and tool results), planned from the warmed documents alone. A chat
+prompt's output then depends only on the prompt, ``h`` and the warmed documents: not on whether the previous
+turn's backfill ran, is running, or was evicted. After the call the prompt and its answer are backfilled as
+canonical chunks (from turn 1 on), so the next turn finds its whole history in the store.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+from kvboost_core.adapters import ScatterCache
+from kvboost_core.assembly import plan_chunks
 from kvboost_core.backfill import BackfillJob, BackfillResult, conversation_job, run_job
+from kvboost_core.canonical import CanonicalJob
 from kvboost_core.prefill import PrefillMixin
-from kvboost_core.segments import TokenizedSegment, check_vocab
+from kvboost_core.repair import RepairSpec
+from kvboost_core.results import PrefillResult
+from kvboost_core.segments import Segment, TokenizedSegment, check_vocab
+
+Prepared = tuple[list[TokenizedSegment], int, list[Any]]  # a prompt's segments, token count and chunks
+
+
+def check_history_tokens(value: Any, turn_end: Any = ()) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"history_tokens must be None or an int >= 0, got {value!r}")
+    if isinstance(turn_end, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in turn_end):
+        raise ValueError(f"turn_end must be a sequence of token ids, got {turn_end!r}")
 
 
 class BackfillMixin(PrefillMixin):
@@ -22,12 +49,69 @@ class BackfillMixin(PrefillMixin):
         follow_up = self._follow_ups.observe(prompt_ids) if mode == "auto" else True
         return follow_up and bool(self.config.store_prefix if store_prefix is None else store_prefix)
 
+    def _chat_canonical(self) -> bool:
+        """Can chat calls take the canonical path? A layer-wise model without a reader or block adapter (their
+        forwards are not the canonical one); elsewhere a chat call is an ordinary one, backfilled all the same."""
+        a = self.adapter
+        return a.layerwise and not a.no_reuse and self.reader is None and self.block is None
+
+    def _chat_backfills(self, store_prefix: bool | None) -> bool:
+        """Backfill after a chat call? Whenever backfill is on (``"auto"`` or True): a chat call is a turn."""
+        return bool(self.config.backfill) and not self.adapter.no_reuse and bool(
+            self.config.store_prefix if store_prefix is None else store_prefix)
+
+    def _split_at(self, prepared: Prepared, history: int) -> Prepared:
+        """The prompt's segments and chunks with a cut at ``history``: the history's last chunk ends where the
+        history ends, as the previous turn's backfill (the history alone, chunked the same way) stored it."""
+        segs, total, _ = prepared
+        out: list[TokenizedSegment] = []
+        for seg in segs:
+            k = history - seg.start
+            if 0 < k < len(seg.token_ids) and not (seg.cacheable or seg.is_lead):
+                out += [replace(seg, token_ids=seg.token_ids[:k]),
+                        replace(seg, token_ids=seg.token_ids[k:], start=history)]
+            else:
+                out.append(seg)
+        return (out, total, plan_chunks(out, self._spans)) if len(out) > len(segs) else prepared
+
+    def _turn_answer(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> list[int]:
+        """The answer as the next turn's history holds it. With ``turn_end`` (what the chat template writes after
+        an assistant message) the template renders the answer's text: its ids re-encoded (a model may end on a
+        token that decodes to a partial character, which the text holds as U+FFFD), then ``turn_end``. Without
+        it, the generated ids as they are."""
+        if not turn_end:
+            return list(generated)
+        ids = self.tokenize_ids(Segment(text=text), add_special_tokens=False) if text else []
+        return [*ids, *turn_end]
+
+    def _chat_prefill(self, prepared: Prepared, spec: RepairSpec, n_new: int, history: int,
+                      store_prefix: bool | None) -> tuple[PrefillResult, ScatterCache, list[tuple[Any, Any]]]:
+        """A chat call's prefill (the module docstring's rule): (result, cache with room for ``n_new`` more
+        tokens, the computed canonical chunks to store)."""
+        prepared = self._split_at(prepared, history)
+        total = prepared[1]
+        ctx = self.adapter.max_context or (total + n_new)
+        enabled = bool(self.config.store_prefix if store_prefix is None else store_prefix)
+        job = CanonicalJob(self, None, spec, None, build_blocks=enabled, prepared=prepared, exact_before=history,
+                           capacity=min(total + n_new, ctx))
+        done = job.finish()
+        done.result.stats.update(reader=False, chat_history_tokens=history)
+        return done.result, job.cache, done.to_store
+
     def _backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
         """Compute the prefix ``[0, end)`` of ``job`` exactly (stored exact prefix reused, the rest computed
-        causally in every layer) and store its chunks as exact prefix entries: (tokens reused, tokens computed)."""
+        causally in every layer) and store its chunks as exact prefix entries: (tokens reused, tokens computed).
+        A canonical job's chunks are computed and stored as a chat call's history reads them."""
         chunks = [c for c in job.chunks if c.end <= end]
         seg = TokenizedSegment(token_ids=job.token_ids[:end], start=0, cacheable=False)
         spec = self._repair_spec("full", None, None, None, False, None, None, None, None)
+        if job.canonical:
+            cj = CanonicalJob(self, None, spec, None, build_blocks=True, prepared=([seg], end, chunks),
+                              exact_before=end, head_end=end)
+            for key, block in cj.finish_head():
+                self.store.put(key, block)
+            self._counters.add(backfill_tokens=end - cj.hit_end)
+            return cj.hit_end, end - cj.hit_end
         _, plan, cache = self._prefill(None, spec, 0, None, time.perf_counter(), ([seg], end, chunks), count=False)
         self._store_prefix(plan, cache, spec, True)
         computed = end - plan.exact_len
@@ -35,8 +119,9 @@ class BackfillMixin(PrefillMixin):
         return plan.exact_len, computed
 
     def backfill(self, prompt: Any, generated: Sequence[int] = (), *,
-                 add_special_tokens: bool | None = None) -> BackfillResult:
+                 add_special_tokens: bool | None = None, chat: bool = False) -> BackfillResult:
         """Store the exact KV of ``prompt`` followed by ``generated`` token ids, now, in this thread.
+        ``chat=True``: as a chat call's history (canonical chunks: what a call with ``history_tokens`` reads).
 
         The next prompt that continues this sequence (the next turn of a chat) then finds it as an exact prefix.
         Engines with ``backfill=True`` do this by themselves after every generation (``"auto"``, the default:
@@ -48,7 +133,8 @@ class BackfillMixin(PrefillMixin):
         check_vocab(gen, self._vocab, "generated")
         segs, total, chunks = self._prompt_chunks(prompt, add_special_tokens)
         self._check_context(total + len(gen))
-        return run_job(conversation_job(segs, chunks, gen, self._spans), self._backfill_step)
+        canonical = chat and self._chat_canonical()
+        return run_job(conversation_job(segs, chunks, gen, self._spans, canonical=canonical), self._backfill_step)
 
     def wait_backfill(self, timeout: float | None = None) -> bool:
         """Block until the background backfill jobs submitted so far are done; False on timeout."""

@@ -19,9 +19,10 @@ from kvboost_core.decode import (
     check_logits_processor,
     process_and_sample,
 )
-from kvboost_core.exact_history import BackfillMixin
+from kvboost_core.exact_history import BackfillMixin, check_history_tokens
 from kvboost_core.forward import decode_step
 from kvboost_core.results import GenerationResult
+from kvboost_core.segments import check_vocab
 
 
 class GenerationStream:
@@ -62,7 +63,8 @@ class GenerationMixin(BackfillMixin):
         return GenerationStream(self, prompt, params, dict(kw, logits_processor=logits_processor))
 
     _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
-               "reuse_repaired", "recompute_mass", "query_tokens", "recheck_layer", "recheck_ratio")
+               "reuse_repaired", "recompute_mass", "query_tokens", "recheck_layer", "recheck_ratio",
+               "history_tokens", "turn_end")
 
     def _check_run_kw(self, kw: dict[str, Any]) -> None:
         unknown = sorted(set(kw) - set(self._RUN_KW))
@@ -73,6 +75,7 @@ class GenerationMixin(BackfillMixin):
                           kw.get("recheck_layer"), kw.get("recheck_ratio"))
         validate_flag("add_special_tokens", kw.get("add_special_tokens"))
         validate_flag("store_prefix", kw.get("store_prefix"))
+        check_history_tokens(kw.get("history_tokens"), kw.get("turn_end", ()))
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, *,
@@ -82,7 +85,14 @@ class GenerationMixin(BackfillMixin):
         ``logits_processor(generated_ids, logits) -> logits`` is applied to the next-token logits (float32,
         shape (V,)) before every token is sampled, the first one included; it may raise
         :class:`kvboost_core.decode.StopGeneration` to end the generation (``finish_reason == "stop"``).
-        It only changes which token is picked: prefill, reuse and the stats are those of a plain call."""
+        It only changes which token is picked: prefill, reuse and the stats are those of a plain call.
+
+        ``history_tokens=h`` makes it a chat call whose history is the prompt's first ``h`` tokens (up to the end
+        of its last assistant message; 0 on a chat's first turn): the history is computed exactly, never
+        re-placed, and the prompt and answer are backfilled for the next turn (see
+        :mod:`kvboost_core.exact_history`). None (default): a one-shot completion. ``turn_end``: the token ids
+        the chat template writes after an assistant message (``<|im_end|>\n``), so the backfill holds the next
+        turn's history as it will be rendered."""
         holder: dict[str, GenerationResult] = {}
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
         self._check_run_kw(kw)
@@ -97,13 +107,14 @@ class GenerationMixin(BackfillMixin):
              reuse_repaired: bool = True, recompute_mass: float | None = None,
              query_tokens: int | None = None, recheck_layer: int | None = None,
              recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None,
-             stream: bool = False) -> Iterator[str]:
+             history_tokens: int | None = None, turn_end: Sequence[int] = (), stream: bool = False
+             ) -> Iterator[str]:
         t0 = time.perf_counter()
         if self.config.backfill and self._backfill.pending:  # a follow-up of a turn being backfilled waits for it
             self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
         args = (prompt, params, holder, t0, repair, recompute_ratio, select, check_layer, add_special_tokens,
                 store_prefix, reuse_repaired, recompute_mass, query_tokens, recheck_layer, recheck_ratio,
-                logits_processor)
+                logits_processor, history_tokens, turn_end)
         if stream:
             # No backfill step starts while the stream computes (its prefill, each decode step), but one may run
             # between its pieces: a stream its reader left open, neither finished nor closed, must not hold the
@@ -117,7 +128,8 @@ class GenerationMixin(BackfillMixin):
                      recompute_ratio: float | None, select: str | None, check_layer: int | None,
                      add_special_tokens: bool | None, store_prefix: bool | None, reuse_repaired: bool,
                      recompute_mass: float | None, query_tokens: int | None, recheck_layer: int | None,
-                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None, *,
+                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None,
+                     history_tokens: int | None, turn_end: Sequence[int], *,
                      busy: Callable[[], AbstractContextManager[Any]]) -> Iterator[str]:
         """The request; ``busy()`` marks each stretch of computing (none spans a ``yield``)."""
         spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
@@ -125,7 +137,17 @@ class GenerationMixin(BackfillMixin):
         generated: list[int] = []
         with busy():
             prepared = self._prompt_chunks(prompt, add_special_tokens)
-            pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0, prepared)
+            chat = history_tokens is not None
+            if history_tokens is not None and history_tokens > prepared[1]:
+                raise ValueError(f"history_tokens ({history_tokens}) is longer than the prompt ({prepared[1]} tokens)")
+            check_vocab(list(turn_end), self._vocab, "turn_end")
+            canonical = chat and self._chat_canonical()
+            if canonical:
+                pre, cache, to_store = self._chat_prefill(prepared, spec, params.max_new_tokens, history_tokens or 0,
+                                                          store_prefix)
+            else:
+                pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0,
+                                                 prepared)
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
@@ -133,7 +155,12 @@ class GenerationMixin(BackfillMixin):
             first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
             token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
             ttft = time.perf_counter() - t0
-            self._store_prefix(plan, cache, spec, store_prefix)  # after the first token: not on the TTFT path
+            # after the first token: not on the TTFT path
+            if canonical:
+                for key, block in to_store:
+                    self.store.put(key, block)
+            else:
+                self._store_prefix(plan, cache, spec, store_prefix)
 
         capacity = cache.keys[0].shape[2]
         all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
@@ -171,5 +198,9 @@ class GenerationMixin(BackfillMixin):
                 text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
                 total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
                 stats=stats, first_logits=pre.last_logits)
-        if self._backfills(store_prefix, pre.token_ids):
+        if chat and self._chat_backfills(store_prefix):  # the next turn's history: prompt, answer, turn end
+            answer = self._turn_answer(generated, text.text, turn_end)
+            self._backfill.submit(conversation_job(prepared[0], prepared[2], answer, self._spans,
+                                                   canonical=canonical))
+        elif not chat and self._backfills(store_prefix, pre.token_ids):
             self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self._spans))

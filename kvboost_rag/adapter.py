@@ -24,6 +24,7 @@ from typing import Any
 
 from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration, cache_counts
 from kvboost_core.segments import check_utf8, lead_token_ids
+from kvboost_rag.chat_turns import history_length, history_messages, turn_end_text
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
@@ -123,6 +124,7 @@ class KVBoostRAG:
         self._offsets = bool(getattr(self.tokenizer, "is_fast", False))  # slow tokenizers give no offsets
         self._lead = tuple(lead_token_ids(self.tokenizer))
         self._tools_probe: dict[str, bool] = {}  # chat template -> whether tools render (can_call_tools)
+        self._turn_ends: dict[str, tuple[int, ...]] = {}  # chat template -> chat_turn_end()
 
     @classmethod
     def from_model_id(cls, model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
@@ -175,6 +177,37 @@ class KVBoostRAG:
         with self._tok_lock:
             return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                           **extra))
+
+    def chat_history(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat's history as ``chat_prompt`` renders it: the messages up to the end of the last assistant
+        message, without a generation prompt ("" before the first answer). Pass it as ``chat_history=`` to
+        :meth:`generate`/:meth:`stream` to make the call a chat turn (see :mod:`kvboost_core.exact_history`)."""
+        n = history_messages(messages)
+        if not n:
+            return ""
+        extra = {"tools": tools} if tools else {}
+        with self._tok_lock:
+            return str(self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=False,
+                                                          **extra))
+
+    def chat_turn_end(self) -> tuple[int, ...]:
+        """The token ids the chat template writes after an assistant message's text (``<|im_end|>\n``): the
+        backfill appends them to the answer, so it stores the next turn's history as the template renders it."""
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        if template not in self._turn_ends:
+            text = turn_end_text(self.chat_history) if template else ""
+            self._turn_ends[template] = tuple(self._encode(text)) if text else ()
+        return self._turn_ends[template]
+
+    def _chat_turn(self, plan: PromptPlan, chat_history: str | None, special: bool) -> dict[str, Any]:
+        """The engine options that make a call a chat turn (none for a completion)."""
+        if chat_history is None:
+            return {}
+        if not isinstance(chat_history, str):
+            raise TypeError(f"chat_history must be a str, got {type(chat_history).__name__}")
+        ids = self.engine.tokenize_ids(plan.segments, add_special_tokens=False)
+        n = history_length(self.encode(chat_history, special), ids) if chat_history else 0
+        return {"history_tokens": n, "turn_end": self.chat_turn_end()}
 
     def can_call_tools(self) -> bool:
         """Whether chat calls with tools render with this tokenizer: its template renders ``tools`` itself or
@@ -285,30 +318,34 @@ class KVBoostRAG:
 
     def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
-                 **engine_kw: Any) -> GenerationResult:
+                 chat_history: str | None = None, **engine_kw: Any) -> GenerationResult:
         """Generate a completion of ``prompt``; ``engine_kw`` (repair, recompute_ratio, store_prefix,
-        add_special_tokens, ...) go to the engine for this call."""
+        add_special_tokens, ...) go to the engine for this call. ``chat_history`` (:meth:`chat_history`) makes
+        it a chat turn: its history exact, backfilled for the next turn."""
         t0 = time.perf_counter()
-        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
-                                                                                             None))
+        special = engine_kw.pop("add_special_tokens", None)
+        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
+        turn = self._chat_turn(plan, chat_history, self._special(special))
         plan_s = time.perf_counter() - t0
         result = self.engine.generate(plan.segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **engine_kw)
+                                      top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **turn, **engine_kw)
         self._record(result, plan, plan_s)
         return result
 
     def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
                on_result: Callable[[GenerationResult, dict[str, Any]], None] | None = None,
-               **engine_kw: Any) -> Iterator[str]:
+               chat_history: str | None = None, **engine_kw: Any) -> Iterator[str]:
         """Yield text pieces; ``last_stats``/``last_result`` are set once the stream is exhausted, and
-        ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency)."""
+        ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency).
+        ``chat_history``: as in :meth:`generate`."""
         t0 = time.perf_counter()
-        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=engine_kw.pop("add_special_tokens",
-                                                                                             None))
+        special = engine_kw.pop("add_special_tokens", None)
+        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
+        turn = self._chat_turn(plan, chat_history, self._special(special))
         plan_s = time.perf_counter() - t0
         stream = self.engine.stream(plan.segments, max_new_tokens, temperature, top_p, stop, seed,
-                                    add_special_tokens=False, **engine_kw)
+                                    add_special_tokens=False, **turn, **engine_kw)
         yield from stream
         if stream.result is not None:
             stats = self._record(stream.result, plan, plan_s)

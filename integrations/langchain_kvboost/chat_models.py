@@ -1,9 +1,11 @@
 """ChatKVBoost: a LangChain chat model over kvboost_rag.KVBoostRAG.
 
 Messages are rendered with the model's own chat template. Multi-turn history costs about the new message:
-each call's prompt is stored under prefix keys by the engine, so the next turn (the same text plus the reply
-and a new message) is an exact prefix hit up to where it differs. Warmed documents inside messages are
-found and reused as in KVBoostLLM.
+each call is a chat turn (:mod:`kvboost_core.exact_history`). After the reply, the prompt and the reply are
+computed exactly in the background (a backfill), so the next turn (the same text plus the reply and a new
+message) finds its whole history as an exact prefix. Warmed documents inside messages are found and re-placed as
+in KVBoostLLM, but only after the last AI message: the history is always exact, whether it comes from the
+store or is computed now, so a reply depends only on the messages and the warmed documents.
 
 Tool calling (``bind_tools``) follows the Hermes/Qwen convention, see :mod:`langchain_kvboost.tools`.
 """
@@ -206,10 +208,12 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         if tools is not None:
             tools = [t if isinstance(t, dict) and "function" in t else format_tools([t])[0] for t in tools]
         plan = tool_plan(tools, tool_choice, parallel)
-        prompt = self.rag.chat_prompt(*chat_inputs(self.rag.tokenizer, to_chat_dicts(messages),
-                                                   tools if tool_choice != "none" else None))
+        rendered = chat_inputs(self.rag.tokenizer, to_chat_dicts(messages), tools if tool_choice != "none" else None)
+        prompt = self.rag.chat_prompt(*rendered)
         opts = self._call_options(stop, kwargs)
         opts["add_special_tokens"] = self.rag.chat_add_special_tokens(prompt)
+        # A chat turn: the history (up to the last AI message) is exact, and the reply is backfilled for the next
+        opts["chat_history"] = self.rag.chat_history(*rendered)
         return prompt, opts, plan
 
     def _tool_reply(self, prompt: str, opts: dict[str, Any], plan: ToolPlan) -> tuple[GenerationResult, str]:

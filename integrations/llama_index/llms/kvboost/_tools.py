@@ -9,10 +9,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse
+from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse, MessageRole
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.toolcalls import CallTextStream, first_call_only, parse_tool_call_blocks, tool_name
+from kvboost_rag.toolcalls import (
+    CallTextStream,
+    chat_inputs,
+    first_call_only,
+    parse_tool_call_blocks,
+    tool_name,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,17 @@ def tool_request(tools: list[dict[str, Any]] | None, tool_choice: Any = None,
     if name not in names:
         raise ValueError(f"tool_choice {tool_choice!r} names none of the tools {names}")
     return ToolRequest(tools, forced=True, name=str(name), parallel=parallel)
+
+
+def chat_history(rag: Any, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None,
+                 messages_to_prompt: Any = None) -> str:
+    """A chat call's history: the messages up to the last assistant message, rendered as the prompt is (by the
+    chat template, or by ``messages_to_prompt`` when one is set); "" before the first answer. It is exact, and
+    the reply is backfilled for the next turn (kvboost_core.exact_history)."""
+    if messages_to_prompt is not None:
+        last = max((i for i, m in enumerate(messages) if m.role == MessageRole.ASSISTANT), default=-1)
+        return str(messages_to_prompt(messages[: last + 1])) if last >= 0 else ""
+    return str(rag.chat_history(*chat_inputs(rag.tokenizer, tool_chat_dicts(messages), tools)))
 
 
 def tool_chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

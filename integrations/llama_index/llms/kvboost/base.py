@@ -52,6 +52,7 @@ try:
     from llama_index.llms.kvboost._tools import (
         ToolCalling,
         ToolRequest,
+        chat_history,
         stream_with_tool_calls,
         tool_chat_dicts,
         tool_request,
@@ -288,14 +289,16 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
             call_kw["logits_processor"] = StopOnTokens(self.stopping_ids)
         return call_kw
 
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        return completion(self._rag.generate(self._full_prompt(prompt, formatted), **self._free_kwargs(kwargs)))
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
+                  history: str | None = None) -> CompletionResponse:
+        return completion(self._rag.generate(self._full_prompt(prompt, formatted), chat_history=history,
+                                             **self._free_kwargs(kwargs)))
 
-    def _stream(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
+    def _stream(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
+                history: str | None = None) -> CompletionResponseGen:
         full = self._full_prompt(prompt, formatted)
-        call_kw = self._free_kwargs(kwargs)  # validated now, before the caller iterates
-        done: dict[str, Any] = {}
-        return stream_completions(self._rag.stream(full, on_result=keeper(done), **call_kw), done)
+        call_kw, done = self._free_kwargs(kwargs), {}  # validated now, before the caller iterates
+        return stream_completions(self._rag.stream(full, on_result=keeper(done), chat_history=history, **call_kw), done)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -335,40 +338,42 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         return kwargs
 
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-                   ) -> tuple[str, dict[str, Any], ToolRequest | None]:
-        """(prompt, per-call options, the tools and whether a call is forced) of one chat call."""
+                   ) -> tuple[str, dict[str, Any], ToolRequest | None, str]:
+        """(prompt, per-call options, the tools and whether a call is forced, the history: see chat_history)."""
         kwargs = dict(kwargs)
         req = tool_request(kwargs.pop("tools", None), kwargs.pop("tool_choice", None),
                            kwargs.pop("parallel_tool_calls", False))
-        prompt = self._chat_prompt(messages, req.tools if req else None)
-        return prompt, self._chat_kwargs(prompt, kwargs), req
+        tools = req.tools if req else None
+        prompt = self._chat_prompt(messages, tools)
+        history = chat_history(self._rag, messages, tools, None if self._template_chat else self.messages_to_prompt)
+        return prompt, self._chat_kwargs(prompt, kwargs), req, history
 
-    def _forced(self, prompt: str, call_kw: dict[str, Any], req: ToolRequest) -> ChatResponse:
+    def _forced(self, prompt: str, call_kw: dict[str, Any], req: ToolRequest, history: str) -> ChatResponse:
         """A forced call, constrained by grammar to a valid call of an allowed tool."""
         from kvboost_rag.constrained import generate_tool_call
 
         call_kw = self._call_kwargs(call_kw)
         call_kw.pop("stop", None)  # a stop string would cut the call short
         res, text = generate_tool_call(self._rag, prompt, req.tools, req.name, calls=max_calls(req.parallel),
-                                       **call_kw)
+                                       chat_history=history, **call_kw)
         return with_tool_calls(ChatResponse(message=ChatMessage(role="assistant", content=text), raw=raw(res),
                                             additional_kwargs=stats_kwargs(res)), req.parallel)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        prompt, call_kw, req = self._chat_call(messages, kwargs)
+        prompt, call_kw, req, history = self._chat_call(messages, kwargs)
         if req is not None and req.forced:
-            return self._forced(prompt, call_kw, req)
-        resp = to_chat(self._complete(prompt, True, call_kw))
+            return self._forced(prompt, call_kw, req, history)
+        resp = to_chat(self._complete(prompt, True, call_kw, history))
         return with_tool_calls(resp, req.parallel) if req is not None else resp
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        prompt, call_kw, req = self._chat_call(messages, kwargs)
+        prompt, call_kw, req, history = self._chat_call(messages, kwargs)
         if req is None:
-            return to_chat_stream(self._stream(prompt, True, call_kw))
+            return to_chat_stream(self._stream(prompt, True, call_kw, history))
         if req.forced:  # a forced call is no text: one response, with the call (generated when iterated)
             self._call_kwargs(call_kw)  # validated now, before the caller iterates
-            return (self._forced(prompt, call_kw, req) for _ in range(1))
-        return stream_with_tool_calls(self._stream(prompt, True, call_kw), req.parallel)
+            return (self._forced(prompt, call_kw, req, history) for _ in range(1))
+        return stream_with_tool_calls(self._stream(prompt, True, call_kw, history), req.parallel)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
