@@ -134,6 +134,19 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
     return out
 
 
+def nodoc_scores(rag: Any, lora: Any) -> dict[str, Any]:
+    """Questions without documents, base weights vs the adapter, paired (issue #32: no regression outside RAG)."""
+    from kvboost_rag.app import nodoc
+
+    def ids(msgs: list[dict[str, str]]) -> list[int]:
+        prompt = rag.chat_prompt(msgs)
+        return list(rag.encode(prompt, rag.chat_add_special_tokens(prompt)))
+
+    out = nodoc.evaluate(rag.engine.model, rag.engine.tokenizer, ids, set(rag.engine.eos_token_ids),
+                         gates=(None, True), lora=lora)
+    return {k: v for k, v in out.items() if k != "answers"}
+
+
 def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[int], rank: int, alpha: float) -> None:
     """Load a saved block adapter's LoRA weights into ``lora`` (a warm start); refuse a mismatched one."""
     import torch
@@ -174,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-only", action="store_true", help="compute teacher targets, then stop")
     ap.add_argument("--init", default=None, help="start from this block adapter's weights (same rank and alpha)")
     ap.add_argument("--eval-only", action="store_true", help="score --init (or the base model) on dev; no training")
+    ap.add_argument("--nodoc", action="store_true", help="with --eval/--eval-only: also the 64 questions without "
+                    "documents, base vs adapted (kvboost_rag.app.nodoc)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1 ...")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time in training")
     ap.add_argument("--seed", type=int, default=0)
@@ -230,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval_only:
         scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True, None) if args.init else (None,))
         scores["adapter"] = args.init
+        if args.nodoc:
+            scores["nodoc"] = nodoc_scores(rag, lora)
         print(json.dumps(scores, indent=1))
         with open(os.path.join(args.out, "dev_eval.json"), "w") as f:
             json.dump(scores, f, indent=1)
@@ -265,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch.no_grad():
             rows = table().detach() if table is not None else None
         result = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True,), links=rows)
+        if args.nodoc:
+            result["nodoc"] = nodoc_scores(rag, lora)
         print(json.dumps(result, indent=1))
     trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device, "chats": len(targets), "pool": tc.pool_hash(pool),
                "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
