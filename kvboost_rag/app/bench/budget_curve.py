@@ -17,6 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def _cpu_minutes(trained: dict[str, Any]) -> float:
+    """Training CPU-minutes (teacher targets not counted: they are computed once and shared). The shipped adapter
+    predates the CPU-time log: its training wall seconds times its threads, an upper bound."""
+    if trained.get("cpu_min") is not None:
+        return float(trained["cpu_min"])
+    return round(trained.get("train_s", 0) * trained.get("threads", 1) / 60, 1)
+
+
 def point(directory: str) -> dict[str, Any]:
     """One adapter's point: recipe, CPU-minutes, steps, chats and its dev scores."""
     with open(os.path.join(directory, "block.json")) as f:
@@ -28,19 +36,21 @@ def point(directory: str) -> dict[str, Any]:
             dev = json.load(f)
     if not dev:
         raise ValueError(f"{directory}: no dev scores (train with --eval, or run --eval-only --init {directory})")
-    cpu = trained.get("cpu_min")
-    if cpu is None:  # the shipped adapter predates the CPU-time log: wall seconds times threads
-        cpu = round((trained.get("train_s", 0) + trained.get("data_s", 0)) * trained.get("threads", 1) / 60, 1)
+    cpu = _cpu_minutes(trained)
+    init = trained.get("init")
+    if init and os.path.isfile(os.path.join(init, "block.json")):  # a warm start: its own budget comes first
+        with open(os.path.join(init, "block.json")) as f:
+            cpu = round(cpu + _cpu_minutes(json.load(f).get("trained", {})), 1)
     return {"adapter": os.path.basename(os.path.normpath(directory)), "recipe": trained.get("recipe", "a (shipped)"),
             "cpu_min": cpu, "steps": trained.get("steps"), "chats": trained.get("chats", trained.get("samples")),
-            "dev": dev}
+            "init": os.path.basename(os.path.normpath(init)) if init else None, "dev": dev}
 
 
 def table(points: Sequence[dict[str, Any]]) -> str:
     rows = ["| adapter | recipe | CPU-min | steps | dev acc (block) | vs full prefill [95% CI] | answer KL |",
             "|---|---|---|---|---|---|---|"]
     for p in points:
-        d, a = p["dev"], p["dev"].get("adapted") or p["dev"].get("base", {})
+        d, a = p["dev"], p["dev"].get("adapted") or p["dev"]["base"]
         rows.append(f"| {p['adapter']} | {p['recipe']} | {p['cpu_min']} | {p['steps']} | {a['acc']:.1%} | "
                     f"{100 * a['diff']:+.1f} [{100 * a['ci'][0]:+.1f}, {100 * a['ci'][1]:+.1f}] "
                     f"(full {d['full_acc']:.1%}, n={d['questions']}) | {a['answer_kl']:.3f} |")
@@ -76,7 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
     args = ap.parse_args(argv)
     try:
-        points = sorted((point(d) for d in args.dirs), key=lambda p: p["cpu_min"])
+        points = [point(d) for d in args.dirs]
+        for p in list(points):  # an --eval-only run that also scored the base weights: the curve's origin
+            if "base" in p["dev"] and "adapted" in p["dev"]:
+                base = {k: v for k, v in p["dev"].items() if k != "adapted"}
+                points.append({"adapter": "base weights", "recipe": "-", "cpu_min": 0.0, "steps": 0, "chats": 0,
+                               "init": None, "dev": base})
+        points.sort(key=lambda p: p["cpu_min"])
     except (OSError, ValueError) as e:
         ap.exit(2, f"budget_curve: error: {e}\n")
     print(table(points))
