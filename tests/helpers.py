@@ -46,3 +46,14 @@ def spy_generate(owner) -> list[dict]:
 
 
 __all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits", "full_prefill_kv", "spy_generate"]
+
+
+def warmed_block_prompt(model, tokenizer, docs, question: str = " Who is Bob?"):
+    """An engine on ``model`` with ``docs`` warmed, and a prompt over them as the block construction reads it:
+    (engine, prompt ids, block runs)."""
+    from kvboost_core.block_prefill import block_runs
+
+    eng = engine_for(model, tokenizer)
+    eng.warm(docs)
+    segs = eng.tokenize(docs_prompt(docs, question, head="Q:"))
+    return eng, [t for s in segs for t in s.token_ids], block_runs(segs, eng.config.sink_tokens)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
-from helpers import docs_prompt, engine_for
+from helpers import engine_for, warmed_block_prompt
 
 from kvboost_core.block_links import LinkTable, insert_links, shift_of
-from kvboost_core.block_prefill import Run, block_forward, block_runs
+from kvboost_core.block_prefill import Run, block_forward
 from kvboost_rag.app import distill
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
@@ -31,11 +31,8 @@ def test_insert_links_moves_everything_after_each_document():
 @pytest.fixture(scope="module")
 def setup(tokenizer):
     model = make_tiny_model("llama")
-    eng = engine_for(model, tokenizer)
-    eng.warm(DOCS)
-    segs = eng.tokenize(docs_prompt(DOCS, " Who is Bob?", head="Q:"))
-    ids = [t for s in segs for t in s.token_ids]
-    return model, eng, ids, block_runs(segs, eng.config.sink_tokens)
+    eng, ids, runs = warmed_block_prompt(model, tokenizer, DOCS)
+    return model, eng, ids, runs
 
 
 def test_link_slots_equal_the_same_positions_computed_from_ids(setup):

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
-from helpers import docs_prompt, engine_for
+from helpers import warmed_block_prompt
 
-from kvboost_core.block_prefill import block_runs
 from kvboost_core.reader import ReaderAdapter
 from kvboost_rag.app import distill
 from kvboost_rag.app.trainer import order, schedule, train
@@ -43,11 +42,7 @@ def test_hidden_loss_is_relative_squared_error():
 @pytest.fixture(scope="module")
 def setup(tokenizer):
     model = make_tiny_model("llama")
-    eng = engine_for(model, tokenizer)
-    eng.warm(DOCS)
-    segs = eng.tokenize(docs_prompt(DOCS, " Who is Bob?", head="Q:"))
-    ids = [t for s in segs for t in s.token_ids]
-    runs = block_runs(segs, eng.config.sink_tokens)
+    eng, ids, runs = warmed_block_prompt(model, tokenizer, DOCS)
     return model, eng, ids, runs
 
 
