@@ -11,11 +11,12 @@ and, at every tail row, its sparse next-token distribution and final hidden stat
 
 - ``a``: KL on the answer rows (the recipe of the shipped adapter);
 - ``b``: dense distillation: KL at every question and answer row, plus the teacher's hidden states there;
-- ``c``: ``b`` plus cross-entropy on the gold answer where a chat has one.
+- ``c``: ``b`` plus cross-entropy on the gold answer where a chat has one;
+- ``d``: ``b`` with 4 link slots after each document (:mod:`kvboost_core.block_links`; not served yet).
 
 Training chats (:mod:`.train_corpus`): real English prose (standard-library docstrings, installed distributions'
 descriptions) and invented-entity documents, in five question kinds, some with an earlier turn. Never the
-hand-written splits. The dev split (``--dev``, k=12) is for every choice; the test split is never read here.
+hand-written splits. The dev split (``--eval``, k=12) is for every choice; the test split is never read here.
 A run stops at ``--steps`` or ``--cpu-minutes`` (the budget curve's x axis), checkpoints into ``--out`` and
 resumes from it; ``--eval`` scores the dev split at the end: accuracy of the adapted model under block attention
 against the base model's full prefill, with a paired bootstrap CI.
@@ -88,8 +89,7 @@ def dev_targets(rag: Any, root: str, max_new_tokens: int, split: str = "dev", li
         texts = [rc.doc_text(d) for d in docs]
         return chat_target(rag, messages(q.question, texts), texts, max_new_tokens, kind=q.id)
 
-    distill.build_targets(root, len(sets), make)
-    return distill.load_targets(root, len(sets))
+    return distill.build_targets(root, len(sets), make)
 
 
 def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], max_new_tokens: int,
@@ -202,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
     if args.init and not os.path.isfile(os.path.join(args.init, "block.json")):
         ap.error(f"--init {args.init!r} holds no block.json (a directory `kvboost-rag adapt --block` wrote)")
+    if args.init and os.path.isfile(os.path.join(args.init, LINKS_FILE)):  # its link table would be dropped
+        ap.error(f"--init {args.init!r} has link slots ({LINKS_FILE}); starting from one is not supported yet")
     from kvboost_rag.app.loading import load_rag
 
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
@@ -227,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = chats[i]
         return chat_target(rag, c.messages, c.docs, args.max_new_tokens, c.kind, c.gold)
 
-    if not args.eval_only:
-        distill.build_targets(os.path.join(data, "train"), len(chats), make)
+    targets = [] if args.eval_only else distill.build_targets(os.path.join(data, "train"), len(chats), make)
     scored = args.eval or args.eval_only
     dev = dev_targets(rag, os.path.join(data, "dev"), args.max_new_tokens, limit=args.dev_limit) if scored else []
     data_cpu = time.process_time() - c0
@@ -251,7 +252,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(args.out, "dev_eval.json"), "w") as f:
             json.dump(scores, f, indent=1)
         return 0
-    targets = distill.load_targets(os.path.join(data, "train"), len(chats))
     recipe = distill.RECIPES[args.recipe]
     table = None
     if recipe.links:
@@ -285,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodoc:
             result["nodoc"] = nodoc_scores(rag, lora)
         print(json.dumps(result, indent=1))
-    trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device, "chats": len(targets), "pool": tc.pool_hash(pool),
-               "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
+    trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device,
+               "chats": len(targets), "pool": tc.pool_hash(pool), "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
                "alpha": args.alpha, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
                "threads": torch.get_num_threads(), "prompt_tokens_median": statistics.median(len(t.ids) for t in targets),
                "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log, "dev": result}

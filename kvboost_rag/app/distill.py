@@ -234,10 +234,11 @@ def load_targets(root: str, limit: int | None = None) -> list[Target]:
     return out[:limit] if limit is not None else out
 
 
-def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: Any = print) -> int:
+def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: Any = print) -> list[Target]:
     """Targets of chats ``0..n-1`` (``make(i)``; None skips a chat) in shards of :data:`SHARD` chats under
     ``root``. A shard records the chats it covers: complete shards are kept, a short last one (an earlier,
-    smaller ``n``) is redone, so a killed or extended run resumes where it stopped. Returns the targets held."""
+    smaller ``n``) is redone, so a killed or extended run resumes where it stopped. Returns the targets (at most
+    ``n``), read once from the shards."""
     import torch
     from tqdm import tqdm
 
@@ -260,4 +261,4 @@ def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: 
         bar.update(end - start)
     bar.close()
     log(f"teacher targets: {n} chats under {root} ({time.process_time() - t0:.0f} CPU-s this run)")
-    return len(load_targets(root))
+    return load_targets(root, n)
