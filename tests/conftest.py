@@ -137,3 +137,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("kvboost measured figures")
         for line in _REPORT_LINES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def warmed_block(tokenizer):
+    """A tiny Llama, an engine with three documents warmed, and a prompt over them as the block construction reads
+    it: (model, engine, prompt ids, block runs). The distillation and link-slot tests share it."""
+    from helpers import warmed_block_prompt
+
+    model = make_tiny_model("llama")
+    eng, ids, runs = warmed_block_prompt(model, tokenizer, [CORPUS[4], CORPUS[2], CORPUS[1]])
+    return model, eng, ids, runs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
-from helpers import engine_for, warmed_block_prompt
+from helpers import engine_for
 
 from kvboost_core.block_links import LinkTable, insert_links, shift_of
 from kvboost_core.block_prefill import Run, block_forward
@@ -29,10 +29,8 @@ def test_insert_links_moves_everything_after_each_document():
 
 
 @pytest.fixture(scope="module")
-def setup(tokenizer):
-    model = make_tiny_model("llama")
-    eng, ids, runs = warmed_block_prompt(model, tokenizer, DOCS)
-    return model, eng, ids, runs
+def setup(warmed_block):
+    return warmed_block
 
 
 def test_link_slots_equal_the_same_positions_computed_from_ids(setup):

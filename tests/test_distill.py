@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
-from helpers import warmed_block_prompt
 
 from kvboost_core.reader import ReaderAdapter
 from kvboost_rag.app import distill
@@ -40,10 +39,8 @@ def test_hidden_loss_is_relative_squared_error():
 
 
 @pytest.fixture(scope="module")
-def setup(tokenizer):
-    model = make_tiny_model("llama")
-    eng, ids, runs = warmed_block_prompt(model, tokenizer, DOCS)
-    return model, eng, ids, runs
+def setup(warmed_block):
+    return warmed_block
 
 
 def test_teacher_target_rows_are_the_full_prefill_along_its_answer(setup):
