@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvboost_core.store.base import DensePayload
+from kvboost_core.payload import DensePayload
 
 _FP16_MAX = 65504.0
 BITS = (4, 8)

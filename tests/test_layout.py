@@ -171,3 +171,14 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
     (tmp_path / "c.py").write_text("if TYPE_CHECKING:\n    from kvboost_core.a import x\nimport kvboost_core.b\n")
     mods = {f"kvboost_core.{n}": tmp_path / f"{n}.py" for n in "abc"}
     assert cycles(mods) == [["kvboost_core.a", "kvboost_core.b"]]
+
+
+def test_the_payload_kinds_import_one_way():
+    """The serializer imports the quantized payload at load time (payload <- quant <- store.serialize), so quant
+    must not import the store package: its ``__init__`` imports the serializer, a cycle that passes through a
+    package face and so escapes ``test_no_import_cycles``."""
+    mods = _modules()
+    quant = set(imported_names(mods["kvboost_core.quant"].read_text(), "kvboost_core.quant"))
+    assert not any(_under(n, "kvboost_core.store") for n in quant)
+    assert not any(_under(n, "kvboost_core.store") for n in
+                   imported_names(mods["kvboost_core.payload"].read_text(), "kvboost_core.payload"))

@@ -2,56 +2,20 @@
 
 A :class:`KVBlock` is the KV of one chunk: token ids, where the chunk stood when it was computed
 (``base_position``, needed to re-rotate RoPE keys), and a payload that can produce dense K/V. Payloads are
-an interface so that quantized storage (int8/int4) slots in without the engine knowing the layout.
+an interface so that quantized storage (int8/int4) slots in without the engine knowing the layout; the interface
+and the dense payload live in :mod:`kvboost_core.payload` (re-exported here), the quantized one in
+:mod:`kvboost_core.quant`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
 from kvboost_core.keys import CacheKey, Fingerprint
-
-
-@runtime_checkable
-class KVPayload(Protocol):
-    """Stored K/V for one chunk, in some layout. Dense K/V have shape (L, H_kv, n, D)."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class DensePayload:
-    keys: torch.Tensor  # (L, H_kv, n, D)
-    values: torch.Tensor  # (L, H_kv, n, D)
-
-    def __post_init__(self) -> None:
-        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
-            raise ValueError(f"keys/values must both be (L, H, n, D), got {tuple(self.keys.shape)} "
-                             f"and {tuple(self.values.shape)}")
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.keys.shape[0])
-
-    def to_dense(self, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
+from kvboost_core.payload import DensePayload, KVPayload  # noqa: F401  (DensePayload: re-exported, its old home)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from kvboost_core.keys import CacheKey, Fingerprint
-from kvboost_core.store.base import KINDS, DensePayload, KVBlock, KVGeometry
+from kvboost_core.payload import DensePayload
+from kvboost_core.quant import QuantPayload
+from kvboost_core.store.base import KINDS, KVBlock, KVGeometry
 from kvboost_core.store.trust import entry_tag, tags_equal
 
 FORMAT_VERSION = "2"
@@ -98,8 +100,6 @@ def check_geometry(header: dict[str, Any], geometry: KVGeometry) -> None:
 
 
 def _payload_tensors(payload: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from kvboost_core.quant import QuantPayload  # lazy: quant imports store.base (import cycle)
-
     if isinstance(payload, QuantPayload):
         return payload.tensors(), {"payload": "quant", "bits": str(payload.bits),
                                    "group_size": str(payload.group_size), "head_dim": str(payload.head_dim),
@@ -276,8 +276,6 @@ def _uint(meta: dict[str, str], name: str) -> int:
 def _decode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVBlock:
     payload: Any
     if meta["payload"] == "quant":
-        from kvboost_core.quant import QuantPayload
-
         if meta["keys_pre_rope"] not in ("0", "1"):
             raise CorruptEntry(f"keys_pre_rope={meta['keys_pre_rope']!r}")
         payload = QuantPayload(bits=_uint(meta, "bits"), group_size=_uint(meta, "group_size"),
