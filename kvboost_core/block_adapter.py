@@ -12,14 +12,13 @@ The adapted model is a different model: its cache entries are keyed by a fingerp
 model's and the adapter's (:func:`adapted_fingerprint`), so base and adapted entries never mix. The base
 weights are kept (``base_weights()``) so accuracy can still be compared with the base model's full prefill.
 
-Files: ``block.safetensors`` (the LoRA A/B matrices, fp16) and ``block.json`` (rank, alpha, targets, the base
-model's fingerprint, the warm lead-in it was trained behind, training figures). Loading refuses an adapter of
-another base model or of another lead-in.
+Files (:mod:`kvboost_core.lora_file`): ``block.safetensors`` (the LoRA A/B matrices, fp16) and ``block.json``
+(rank, alpha, targets, the base model's fingerprint, the warm lead-in it was trained behind, training figures).
+Loading refuses an adapter of another base model or of another lead-in.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -29,11 +28,13 @@ from typing import Any
 
 import torch
 import xxhash
-from torch import nn
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHTS = "block.safetensors"
-META = "block.json"
+from kvboost_core import lora_file
+from kvboost_core.lora_file import TARGETS, LoraFiles, LoraHeader, target_linears  # noqa: F401  (re-exported)
+
+FILES = LoraFiles("block_adapter", "block.safetensors", "block.json", "kvboost-rag adapt --block")
+WEIGHTS, META = FILES.weights, FILES.meta
+LINKS = "links.safetensors"  # a link-slot table (kvboost_core.block_links) the engine cannot serve yet
 
 
 @dataclass(slots=True)
@@ -52,9 +53,9 @@ class BlockMeta:
         return out
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> BlockMeta:
-        return cls(int(raw["rank"]), float(raw["alpha"]), tuple(str(t) for t in raw["targets"]),
-                   str(raw["base_fingerprint"]), tuple(int(t) for t in raw["warm_prefix"]),
+    def from_json(cls, raw: Any) -> BlockMeta:
+        h = LoraHeader.from_json(raw)
+        return cls(h.rank, h.alpha, h.targets, h.base_fingerprint, tuple(int(t) for t in raw["warm_prefix"]),
                    int(raw.get("sink_tokens", 32)), dict(raw.get("trained", {})))
 
 
@@ -63,46 +64,18 @@ def adapted_fingerprint(base: str, adapter: str) -> str:
     return xxhash.xxh3_128(f"block-adapter:{base}:{adapter}".encode()).hexdigest()
 
 
-def target_linears(model: Any, targets: Sequence[str]) -> dict[str, nn.Linear]:
-    """``layers.{i}.{self_attn|mlp}.{name}`` -> the decoder's projection (a GatedLoRA's ``base`` when one is
-    attached, so names are stable during training)."""
-    out: dict[str, nn.Linear] = {}
-    for i, layer in enumerate(model.model.layers):
-        for kind in ("self_attn", "mlp"):
-            parent = getattr(layer, kind)
-            for name in targets:
-                mod = getattr(parent, name, None)
-                mod = getattr(mod, "base", mod)
-                if isinstance(mod, nn.Linear):
-                    out[f"layers.{i}.{kind}.{name}"] = mod
-    return out
-
-
 def save(directory: str, tensors: dict[str, torch.Tensor], meta: BlockMeta) -> str:
     """Write ``block.safetensors`` (fp16) and ``block.json`` atomically; returns the adapter's fingerprint."""
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
     half = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in sorted(tensors.items())}
     if not all(torch.isfinite(t).all() for t in half.values()):
         raise ValueError("block adapter weights overflow fp16 (non-finite after conversion)")
-    tmp = os.path.join(directory, f".{WEIGHTS}.tmp")
-    save_file(half, tmp)
-    os.chmod(tmp, 0o644)  # a shipped file: readable like the package around it
-    os.replace(tmp, os.path.join(directory, WEIGHTS))
-    with open(os.path.join(directory, META + ".tmp"), "w") as f:
-        json.dump(meta.to_json(), f, indent=1)
-    os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+    lora_file.write(FILES, directory, half, meta.to_json())
     return file_fingerprint(directory)
 
 
 def file_fingerprint(directory: str) -> str:
-    h = xxhash.xxh3_128()
-    for name in (META, WEIGHTS):
-        with open(os.path.join(directory, name), "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+    """The fingerprint of the adapter saved in ``directory`` (its files' bytes: :func:`lora_file.fingerprint`)."""
+    return lora_file.fingerprint(FILES, directory)
 
 
 class BlockAdapter:
@@ -114,10 +87,7 @@ class BlockAdapter:
         self.model = model
         self._lock = threading.Lock()
         linears = target_linears(model, meta.targets)
-        expected = {f"{n}.{p}" for n in linears for p in ("lora_a", "lora_b")}
-        if not linears or set(tensors) != expected:
-            missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
-            raise ValueError(f"block adapter weights do not match the model: missing {missing}, unexpected {extra}")
+        lora_file.check_names(FILES, set(tensors), set(linears))
         scale = meta.alpha / meta.rank
         self._base: dict[str, torch.Tensor] = {}
         for name, lin in linears.items():
@@ -154,31 +124,13 @@ class BlockAdapter:
     @classmethod
     def load(cls, model: Any, directory: str, base_fingerprint: str, warm_prefix: Sequence[int]) -> BlockAdapter:
         """Merge the adapter saved in ``directory`` into ``model``; refuse one of another base model or lead-in."""
-        from safetensors.torch import load_file
-
-        meta_path, weights = os.path.join(directory, META), os.path.join(directory, WEIGHTS)
-        if not (os.path.isfile(meta_path) and os.path.isfile(weights)):
-            raise ValueError(f"block_adapter: {directory!r} holds no {META} + {WEIGHTS} "
-                             "(train one with `kvboost-rag adapt --block`)")
-        try:
-            with open(meta_path) as f:
-                meta = BlockMeta.from_json(json.load(f))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"block_adapter: {meta_path} is not a valid block adapter description ({e})") from e
-        if meta.rank < 1 or not meta.alpha > 0:
-            raise ValueError(f"block_adapter: rank must be >= 1 and alpha > 0, got {meta.rank}/{meta.alpha}")
-        if meta.base_fingerprint != base_fingerprint:
-            raise ValueError(f"block_adapter: {directory!r} was trained on another base model (fingerprint "
-                             f"{meta.base_fingerprint[:16]}..., this model {base_fingerprint[:16]}...)")
+        meta = lora_file.read_meta(FILES, directory, BlockMeta.from_json)
+        lora_file.check_base(FILES, directory, meta.base_fingerprint, base_fingerprint)
         if tuple(warm_prefix) != meta.warm_prefix:
             raise ValueError(f"block_adapter: {directory!r} was trained with documents behind the lead-in "
                              f"{list(meta.warm_prefix)[:8]}..., this engine warms behind {list(warm_prefix)[:8]}...; "
                              "use the warm_prefix it was trained with")
-        if os.path.isfile(os.path.join(directory, "links.safetensors")):
-            raise ValueError(f"block_adapter: {directory!r} has link slots (links.safetensors), which the engine "
+        if os.path.isfile(os.path.join(directory, LINKS)):
+            raise ValueError(f"block_adapter: {directory!r} has link slots ({LINKS}), which the engine "
                              "cannot serve yet; measure it with `kvboost-rag adapt --block --eval-only --init DIR`")
-        try:
-            tensors = load_file(weights)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"block_adapter: {weights} is not a readable safetensors file ({e})") from e
-        return cls(model, meta, tensors, file_fingerprint(directory))
+        return cls(model, meta, lora_file.read_weights(FILES, directory), file_fingerprint(directory))

@@ -14,15 +14,14 @@ prompt (exact hits, or ``repair="full"``) the gate is closed and generation is e
 Why not peft: peft switches an adapter per forward call, while one forward here mixes gated and ungated
 positions (CacheBlend recomputes document tokens with base weights in the same pass as the tail).
 
-Files: ``reader.safetensors`` (the A/B matrices) and ``reader.json`` (rank, alpha, targets, the base model's
-fingerprint, training figures). Loading checks the fingerprint: an adapter never runs on another base model.
+Files (:mod:`kvboost_core.lora_file`): ``reader.safetensors`` (the A/B matrices, float32) and ``reader.json``
+(rank, alpha, targets, the base model's fingerprint, training figures). Loading checks the fingerprint: an
+adapter never runs on another base model.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,9 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHTS = "reader.safetensors"
-META = "reader.json"
+from kvboost_core import lora_file
+from kvboost_core.lora_file import TARGETS, LoraFiles, LoraHeader
+
+FILES = LoraFiles("reader_adapter", "reader.safetensors", "reader.json", "kvboost-rag adapt")
+WEIGHTS, META = FILES.weights, FILES.meta
 
 
 class _Gate(threading.local):
@@ -76,6 +77,14 @@ class ReaderMeta:
     base_fingerprint: str
     trained: dict[str, Any] = field(default_factory=dict)  # how it was trained and what it measured
 
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ReaderMeta:
+        h = LoraHeader.from_json(raw)
+        return cls(h.rank, h.alpha, h.targets, h.base_fingerprint, dict(raw.get("trained", {})))
+
 
 class ReaderAdapter:
     """Gated LoRA modules attached in place to a causal LM's decoder layers."""
@@ -87,15 +96,11 @@ class ReaderAdapter:
         self.gate = _Gate()
         self.modules: dict[str, GatedLoRA] = {}
         layers = model.model.layers
-        for i, layer in enumerate(layers):
-            for parent in (layer.self_attn, layer.mlp):
-                for name in meta.targets:
-                    base = getattr(parent, name, None)
-                    if isinstance(base, nn.Linear):
-                        mod = GatedLoRA(base, meta.rank, meta.alpha, self.gate)
-                        setattr(parent, name, mod)
-                        kind = "self_attn" if parent is layer.self_attn else "mlp"
-                        self.modules[f"layers.{i}.{kind}.{name}"] = mod
+        for key, base in lora_file.target_linears(model, meta.targets, unwrap=False).items():
+            _, i, kind, name = key.split(".")
+            mod = GatedLoRA(base, meta.rank, meta.alpha, self.gate)
+            setattr(getattr(layers[int(i)], kind), name, mod)
+            self.modules[key] = mod
         if not self.modules:
             raise ValueError(f"none of the target projections {meta.targets} found in {type(model).__name__}")
 
@@ -135,12 +140,9 @@ class ReaderAdapter:
         return out
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        expected = set(self.state_dict())
-        if set(tensors) != expected:
-            missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
-            raise ValueError(f"reader adapter weights do not match the model: missing {missing}, unexpected {extra}")
+        lora_file.check_names(FILES, set(tensors), set(self.modules))
         for name, m in self.modules.items():
-            for part in ("lora_a", "lora_b"):
+            for part in lora_file.PARTS:
                 t = tensors[f"{name}.{part}"]
                 p = getattr(m, part)
                 if t.shape != p.shape or not torch.isfinite(t).all():
@@ -150,17 +152,7 @@ class ReaderAdapter:
                     p.copy_(t)
 
     def save(self, directory: str) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{WEIGHTS}.tmp")
-        save_file(self.state_dict(), tmp)
-        os.replace(tmp, os.path.join(directory, WEIGHTS))
-        meta = asdict(self.meta)
-        meta["targets"] = list(self.meta.targets)
-        with open(os.path.join(directory, META + ".tmp"), "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+        lora_file.write(FILES, directory, self.state_dict(), self.meta.to_json())
 
     @classmethod
     def attach(cls, model: Any, *, rank: int = 8, alpha: float = 16.0, targets: Sequence[str] = TARGETS,
@@ -171,22 +163,9 @@ class ReaderAdapter:
     @classmethod
     def load(cls, model: Any, directory: str, base_fingerprint: str) -> ReaderAdapter:
         """Attach the adapter saved in ``directory``; refuse one trained on another base model."""
-        from safetensors.torch import load_file
-
-        meta_path, weights = os.path.join(directory, META), os.path.join(directory, WEIGHTS)
-        if not (os.path.isfile(meta_path) and os.path.isfile(weights)):
-            raise ValueError(f"reader_adapter: {directory!r} holds no {META} + {WEIGHTS} "
-                             "(train one with `kvboost-rag adapt`)")
-        try:
-            with open(meta_path) as f:
-                raw = json.load(f)
-            meta = ReaderMeta(int(raw["rank"]), float(raw["alpha"]), tuple(raw["targets"]),
-                              str(raw["base_fingerprint"]), dict(raw.get("trained", {})))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"reader_adapter: {meta_path} is not a valid reader adapter description ({e})") from e
-        if meta.base_fingerprint != base_fingerprint:
-            raise ValueError(f"reader_adapter: {directory!r} was trained on another base model (fingerprint "
-                             f"{meta.base_fingerprint[:16]}..., this model {base_fingerprint[:16]}...)")
+        meta = lora_file.read_meta(FILES, directory, ReaderMeta.from_json)
+        lora_file.check_base(FILES, directory, meta.base_fingerprint, base_fingerprint)
+        tensors = lora_file.read_weights(FILES, directory)
         adapter = cls(model, meta)
-        adapter.load_state_dict(load_file(weights))
+        adapter.load_state_dict(tensors)
         return adapter
