@@ -29,7 +29,7 @@ Design choices, and why:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ import torch
 
 from kvboost_core import attention
 from kvboost_core.adapters import ModelAdapter
+from kvboost_core.backfill import BackfillJob, conversation_job
 from kvboost_core.invariant import row_tiled, rowwise_attention
 from kvboost_core.results import PrefillResult
 
@@ -72,10 +73,25 @@ class Prefilled:
 
 class PrefillTask:
     """A prefill in steps, for a scheduler that interleaves it with decode steps: :meth:`advance` computes
-    about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result."""
+    about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result.
+    ``turn``: the prompt's (segments, tokens, chunks) when it is a chat turn (see :meth:`turn_job`)."""
 
-    def __init__(self, engine: Any, job: Any) -> None:
-        self._engine, self._job = engine, job
+    def __init__(self, engine: Any, job: Any, turn: Any = None) -> None:
+        self._engine, self._job, self._turn = engine, job, turn
+
+    @property
+    def is_turn(self) -> bool:
+        """A chat turn: its history was read exactly, and :meth:`turn_job` gives the next turn's backfill."""
+        return self._turn is not None
+
+    def turn_job(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> BackfillJob:
+        """The backfill that stores this turn's prompt and answer as the next turn's history reads it: canonical
+        chunks, chunked as the in-process chat call's backfill chunks them (so both read the same entries)."""
+        if self._turn is None:
+            raise RuntimeError("turn_job: this prefill is not a chat turn (start_prefill without history_tokens)")
+        segs, _, chunks = self._turn
+        answer = self._engine._turn_answer(generated, text, turn_end)
+        return conversation_job(segs, chunks, answer, self._engine._spans, canonical=True)
 
     @property
     def n_prompt(self) -> int:
@@ -90,20 +106,51 @@ class PrefillTask:
 
     def finish(self) -> Prefilled:
         pre = self._job.finish()
+        self._job = _Finished(pre.result.stats.get("prompt_tokens", 0))  # drops the prefill's buffers
         return Prefilled(pre.result, self._engine, pre.to_store)
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """A finished prefill's job, as :class:`PrefillTask` still answers for it (its buffers are released: a
+    scheduler may keep the task for :meth:`PrefillTask.turn_job` while the request decodes)."""
+
+    n_prompt: int
+    done: bool = True
+
+    def advance(self, budget: int | None = None) -> bool:
+        raise RuntimeError("PrefillTask.advance: the prefill is finished")
+
+    def finish(self) -> Any:
+        raise RuntimeError("PrefillTask.finish: the prefill is finished already")
 
 
 def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None,
                   store_prefix: bool | None = None, repair: str | None = None, recompute_ratio: float | None = None,
-                  select: str | None = None, check_layer: int | None = None) -> PrefillTask:
+                  select: str | None = None, check_layer: int | None = None,
+                  history_tokens: int | None = None) -> PrefillTask:
     """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
     :class:`kvboost_core.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
-    only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers."""
-    from kvboost_core.canonical import CanonicalJob
+    only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers.
 
+    ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.exact_history`: the prompt's
+    first ``h`` tokens (up to the end of its last assistant message) are never re-placed; their KV is the exact
+    canonical prefill, read from the store where a backfill (:meth:`PrefillTask.turn_job`) put it. On an engine
+    whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill."""
+    from kvboost_core.canonical import CanonicalJob
+    from kvboost_core.exact_history import check_history_tokens
+
+    check_history_tokens(history_tokens)
     spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
-    enabled = engine.config.store_prefix if store_prefix is None else store_prefix
-    return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=bool(enabled)))
+    build = bool(engine.config.store_prefix if store_prefix is None else store_prefix)
+    if history_tokens is None or not engine._chat_canonical():
+        return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=build))
+    prepared = engine._prompt_chunks(prompt, add_special_tokens)
+    if history_tokens > prepared[1]:
+        raise ValueError(f"history_tokens ({history_tokens}) is longer than the prompt ({prepared[1]} tokens)")
+    job = CanonicalJob(engine, None, spec, None, build_blocks=build,
+                       prepared=engine._split_at(prepared, history_tokens), exact_before=history_tokens)
+    return PrefillTask(engine, job, prepared)
 
 
 def prefill(engine: Any, prompt: Any, **kw: Any) -> Prefilled:

@@ -118,6 +118,16 @@ class BackfillMixin(PrefillMixin):
         self._counters.add(backfill_tokens=computed)
         return plan.exact_len, computed
 
+    def backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
+        """One slice of ``job`` for a caller that schedules backfills itself (the server, between requests): its
+        prefix ``[0, end)`` (``end`` a chunk end, see :func:`kvboost_core.backfill.step_ends`) exact in the
+        store, computed where not stored yet. Returns (tokens found stored, tokens computed)."""
+        if not self.config.store_prefix or self.adapter.no_reuse:
+            raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
+        if not any(c.end == end for c in job.chunks):
+            raise ValueError(f"end must be one of the job's chunk ends, got {end!r}")
+        return self._backfill_step(job, end)
+
     def backfill(self, prompt: Any, generated: Sequence[int] = (), *,
                  add_special_tokens: bool | None = None, chat: bool = False) -> BackfillResult:
         """Store the exact KV of ``prompt`` followed by ``generated`` token ids, now, in this thread.

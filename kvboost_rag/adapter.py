@@ -199,8 +199,9 @@ class KVBoostRAG:
             self._turn_ends[template] = tuple(self._encode(text)) if text else ()
         return self._turn_ends[template]
 
-    def _chat_turn(self, plan: PromptPlan, chat_history: str | None, special: bool) -> dict[str, Any]:
-        """The engine options that make a call a chat turn (none for a completion)."""
+    def chat_turn(self, plan: PromptPlan, chat_history: str | None, special: bool) -> dict[str, Any]:
+        """The engine options that make a call over ``plan`` a chat turn whose history renders as
+        ``chat_history`` (:meth:`chat_history`): ``history_tokens`` and ``turn_end`` ({} for a completion)."""
         if chat_history is None:
             return {}
         if not isinstance(chat_history, str):
@@ -325,7 +326,7 @@ class KVBoostRAG:
         t0 = time.perf_counter()
         special = engine_kw.pop("add_special_tokens", None)
         plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
-        turn = self._chat_turn(plan, chat_history, self._special(special))
+        turn = self.chat_turn(plan, chat_history, self._special(special))
         plan_s = time.perf_counter() - t0
         result = self.engine.generate(plan.segments, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **turn, **engine_kw)
@@ -342,7 +343,7 @@ class KVBoostRAG:
         t0 = time.perf_counter()
         special = engine_kw.pop("add_special_tokens", None)
         plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
-        turn = self._chat_turn(plan, chat_history, self._special(special))
+        turn = self.chat_turn(plan, chat_history, self._special(special))
         plan_s = time.perf_counter() - t0
         stream = self.engine.stream(plan.segments, max_new_tokens, temperature, top_p, stop, seed,
                                     add_special_tokens=False, **turn, **engine_kw)

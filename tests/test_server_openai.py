@@ -132,3 +132,38 @@ def test_namespace_isolation(server):
     assert 'kvboost_cache_bytes{namespace="tenant-a",tier="memory"}' in metrics
     assert 'namespace="tenant-b"' not in metrics
     assert "kvboost_ttft_seconds_bucket" in metrics and "kvboost_queue_depth" in metrics
+
+
+def _backfilled(server, timeout: float = 60.0) -> None:
+    """Wait (bounded) until the server's chat backfills are done: /health's backfill queue is empty."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while httpx.get(server.url + "/health").json()["backfill"]["pending"]:
+        assert time.monotonic() < deadline, "the chat backfill did not finish"
+        time.sleep(0.1)
+
+
+def test_chat_follow_ups_read_their_history_exactly_per_tenant(server):
+    """Issue 33 through the official client: after a turn's backfill, the next turn's whole history is cached
+    (exact) tokens and nothing is re-placed again; the other tenant sending the same messages finds none of it,
+    and gets the same answer (history is exact either way)."""
+    _, work = demo_workload(2)
+    messages = [{"role": "user", "content": work[1][0]}]
+    a, b = _client(server, KEY_A), _client(server, KEY_B)
+    answers, usages = [], []
+    for question in ("Answer again.", "And once more."):
+        out = a.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+        answers.append(out.choices[0].message.content)
+        usages.append(out.usage)
+        messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": question}]
+        _backfilled(server)
+    last = a.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+    assert usages[0].prompt_tokens_details.model_extra["cached_tokens_approximate"] > 0  # turn 1 re-placed
+    for turn in (usages[1], last.usage):  # turns 2 and 3: the history (turn 1's prompt and on) is cached
+        assert turn.prompt_tokens_details.cached_tokens > usages[0].prompt_tokens
+        assert turn.prompt_tokens_details.model_extra["cached_tokens_approximate"] == 0
+    assert httpx.get(server.url + "/health").json()["backfill"]["tokens"] > 0
+    other = b.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == last.choices[0].message.content

@@ -38,7 +38,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": state.model_name, "running": state.scheduler.running,
-                "queued": state.scheduler.queue_depth, "deterministic": state.scheduler.decoder.deterministic}
+                "queued": state.scheduler.queue_depth, "deterministic": state.scheduler.decoder.deterministic,
+                "backfill": state.scheduler.backfills.totals.as_dict()}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -49,6 +49,13 @@ class Metrics:
         self.batch_bytes = Gauge("kvboost_batch_kv_bytes", "Bytes of the decode batch's KV buffers", registry=r)
         self.cache_bytes = Gauge("kvboost_cache_bytes", "Bytes held by the KV store, per tier and namespace",
                                  ["namespace", "tier"], registry=r)
+        self.backfill_pending = Gauge("kvboost_backfill_pending", "Chat turns whose history backfill is queued",
+                                      registry=r)
+        self.backfill_tokens = Gauge("kvboost_backfill_computed_tokens", "Tokens chat-history backfills computed "
+                                     "(exact canonical prefill, between requests) since the server started",
+                                     registry=r)
+        self.backfill_dropped = Gauge("kvboost_backfill_dropped", "Chat backfills dropped unrun past the queue's "
+                                      "bounds (that chat's next request computes its history)", registry=r)
         self.cache_entries = Gauge("kvboost_cache_entries", "Entries in the KV store, per tier and namespace",
                                    ["namespace", "tier"], registry=r)
 
@@ -73,6 +80,10 @@ class Metrics:
         self.running.set(scheduler.running)
         self.tps.set(scheduler.tokens_per_second())
         self.batch_bytes.set(scheduler.decoder.nbytes)
+        totals = scheduler.backfills.totals
+        self.backfill_pending.set(totals.pending)
+        self.backfill_tokens.set(totals.tokens)
+        self.backfill_dropped.set(totals.dropped)
         for ns, stats in stores().items():
             for tier, (nbytes, entries) in tier_bytes(stats).items():
                 self.cache_bytes.labels(ns, tier).set(nbytes)

@@ -26,16 +26,18 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from kvboost_core import CacheCounts, cache_counts
+from kvboost_core import cache_counts
 from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
-from kvboost_core.decode import BadLogits, SamplingParams, TextStream, sample
+from kvboost_core.decode import BadLogits, TextStream, sample
 from kvboost_rag.aio import thread_setting
+from kvboost_rag.app.server.history import TurnBackfills
 from kvboost_rag.app.server.protocol import APIError
+from kvboost_rag.app.server.request import Finished, GenRequest, QueueFull, Started
 from kvboost_rag.app.server.warmjob import WarmJob
 
 log = logging.getLogger("kvboost_rag.app.server")
@@ -43,42 +45,7 @@ log = logging.getLogger("kvboost_rag.app.server")
 # step's time. Measured on SmolLM2 (docs/serving.md): slices overrun it by up to a layer and a document's start.
 WARM_SLICE_OF_STEP = 0.3
 
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    prompt_tokens: int
-    counts: CacheCounts  # cached (exact) and approximate reuse, as usage and /metrics report them
-    ttft_s: float  # from submission (queue wait included) to the first token
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    reason: str  # "eos", "stop" or "length"
-    completion_tokens: int
-    text: str
-
-
-@dataclass(slots=True, eq=False)
-class GenRequest:
-    rag: Any  # KVBoostRAG of the request's namespace
-    params: SamplingParams
-    emit: Callable[[str, Any], None]
-    prompt: str | None = None  # a completion prompt, or
-    messages: list[dict[str, str]] | None = None  # chat messages, rendered with the model's chat template
-    fill_context: bool = False  # no token limit given: generate up to the end of the context
-    ignore_eos: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-    # set by the scheduler
-    slot: BatchSlot | None = None
-    stream: TextStream | None = None
-    generator: torch.Generator | None = None
-    generated: list[int] = field(default_factory=list)
-    next_token: int = -1
-
-
-class QueueFull(Exception):
-    pass
+__all__ = ["Finished", "GenRequest", "QueueFull", "Scheduler", "Started"]
 
 
 class Scheduler:
@@ -113,6 +80,8 @@ class Scheduler:
         self._apply_threads = thread_setting()  # --threads, set in this (the main) thread, for the engine thread
         self._tokens_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._last_step_s = 0.0  # the last decode step's wall time: bounds a warm slice while requests decode
+        # chat turns' backfills (kvboost_rag.app.server.history): a slice per iteration while nothing else runs
+        self.backfills = TurnBackfills(warm_budget)
 
     # ------------------------------------------------------------------ public (any thread)
     def start(self) -> None:
@@ -174,7 +143,7 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._stop or self._tasks or self._running or self._pending or self._prefilling
-                           or self._warms):
+                           or self._warms or self.backfills.pending):
                     self._cv.wait(timeout=1.0)
                 if self._stop:
                     break
@@ -182,6 +151,9 @@ class Scheduler:
                 job = self._warms[0] if self._warms else None
                 free = self.decoder.free and self._prefilling is None
                 req = self._pending.popleft() if self._pending and free else None
+                idle = not (task or job or req or self._pending or self._running or self._prefilling)
+            if idle:
+                self.backfills.step()  # one slice; a request arriving meanwhile waits for it at most
             if task is not None:
                 self._run_task(*task)
             if job is not None:
@@ -263,18 +235,23 @@ class Scheduler:
         if r.cancelled:
             return
         try:
-            if r.messages is not None:  # exactly as ChatKVBoost renders and tokenizes a chat prompt
+            turn: dict[str, Any] = {}
+            if r.messages is not None:  # exactly as ChatKVBoost renders and tokenizes a chat prompt (a turn)
                 prompt = r.rag.chat_prompt(r.messages)
                 special: bool | None = r.rag.chat_add_special_tokens(prompt)
+                plan = r.rag.plan(prompt, add_special_tokens=special)
+                turn = r.rag.chat_turn(plan, r.rag.chat_history(r.messages), bool(special))
+                r.turn_end = tuple(turn["turn_end"])
             else:
                 prompt, special = r.prompt or "", None
-            plan = r.rag.plan(prompt, add_special_tokens=special)
+                plan = r.rag.plan(prompt, add_special_tokens=special)
             n_prompt = sum(len(s.token_ids) if s.token_ids is not None else 0 for s in plan.segments)
             ctx = r.rag.engine.adapter.max_context
             if r.fill_context:
                 r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
             self._check_limits(r, n_prompt)
-            task = start_prefill(r.rag.engine, plan.segments, add_special_tokens=False)
+            task = r.task = start_prefill(r.rag.engine, plan.segments, add_special_tokens=False,
+                                          history_tokens=turn.get("history_tokens"))
             if self.prefill_chunk is not None:
                 self._prefilling = (r, task)  # advanced piece by piece, between decode steps
                 return
@@ -371,7 +348,19 @@ class Scheduler:
         r.emit("done", Finished(reason, len(r.generated), r.stream.text))
         if self.metrics is not None:
             self.metrics.on_finish(time.perf_counter() - r.submitted, len(r.generated))
+        self._backfill_turn(r)
         return True
+
+    def _backfill_turn(self, r: GenRequest) -> None:
+        """Queue the backfill of a finished chat turn (prompt, answer, turn end) for the chat's next request."""
+        eng = r.rag.engine
+        if r.task is None or not r.task.is_turn or not (eng.config.backfill and eng.config.store_prefix):
+            return
+        assert r.stream is not None
+        try:
+            self.backfills.submit(eng, r.task.turn_job(r.generated, r.stream.text, r.turn_end))
+        except Exception as exc:  # the answer is delivered: a job that cannot be built costs only speed
+            log.warning("queuing a chat backfill failed: %s", type(exc).__name__)
 
     def _step(self) -> None:
         if self.step_delay:
