@@ -166,6 +166,27 @@ def test_distillation_moves_reused_answers_toward_full_prefill(tmp_path):
     assert kl(with_reader) < 0.5 * kl(pre.last_logits)
 
 
+def test_adapt_trains_with_the_adapters_one_loop(monkeypatch):
+    """``kvboost-rag adapt`` has no loop of its own: it hands its loss to kvboost_rag.app.trainer.train (the loop
+    ``adapt --block`` uses) with the reader's parameters, and returns that loop's losses."""
+    from kvboost_rag.app import trainer
+
+    calls = []
+
+    def loop(params, n_samples, loss_at, **kw):
+        calls.append((params, n_samples, kw))
+        return trainer.TrainState(step=kw["steps"], losses=[0.5] * kw["steps"])
+
+    monkeypatch.setattr(trainer, "train", loop)
+    model = make_tiny_model("llama", seed=5)
+    reader = ReaderAdapter.attach(model, rank=2, alpha=4)
+    assert adapt.train(model, reader, [None] * 3, steps=7, lr=1e-3, seed=4, log=None) == [0.5] * 7
+    (params, n, kw), = calls
+    assert [id(p) for p in params] == [id(p) for p in reader.parameters()] and n == 3
+    assert (kw["steps"], kw["lr"], kw["seed"]) == (7, 1e-3, 4)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
 def test_batched_decode_refuses_a_reader(tmp_path):
     from kvboost_core.batch import BatchedDecoder
 

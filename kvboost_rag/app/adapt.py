@@ -133,39 +133,20 @@ def kl_loss(teacher_logp: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
 
 def train(model: Any, reader: Any, samples: Sequence[Sample], steps: int, lr: float, seed: int,
           log: Any = print) -> list[float]:
-    import torch
+    """Train ``reader`` on ``samples`` (answer-position KL, the base weights frozen) with the adapters' one
+    training loop (:func:`kvboost_rag.app.trainer.train`: AdamW, cosine with 5% warm-up, clipping at 1.0, one
+    chat a step in a seeded order); returns the loss of every step. ``log=None``: no messages."""
+    from kvboost_rag.app.trainer import train as loop
 
     for p in model.parameters():
         p.requires_grad_(False)
-    params = reader.parameters()
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    order: list[int] = []
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    warmup = max(1, steps // 20)
-    for step in range(steps):
-        if not order:
-            order = list(range(len(samples)))
-            rng.shuffle(order)
-        s = samples[order.pop()]
-        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        loss = kl_loss(s.teacher_logp, student_logp(model, reader, s))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        if log and (step + 1) % 25 == 0:
-            log(f"  step {step + 1}/{steps}: loss {statistics.fmean(losses[-25:]):.4f} "
-                f"({time.perf_counter() - t0:.0f} s)")
-    for p in params:
-        p.requires_grad_(False)
-    return losses
+
+    def loss_at(i: int) -> Any:
+        return kl_loss(samples[i].teacher_logp, student_logp(model, reader, samples[i]))
+
+    st = loop(reader.parameters(), len(samples), loss_at, steps=steps, lr=lr, seed=seed, desc="reader adapter",
+              log=log or (lambda *_: None))
+    return st.losses
 
 
 def evaluate(model: Any, reader: Any, samples: Sequence[Sample]) -> dict[str, float]:
