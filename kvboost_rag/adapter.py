@@ -46,11 +46,14 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": 
 
 @dataclass(slots=True)
 class PromptPlan:
+    """What ``KVBoostRAG.plan`` made of a prompt: the segments the engine gets (warmed documents marked
+    cacheable, the rest plain text) and the document accounting that ``last_stats`` reports."""
+
     segments: list[Segment]
     doc_ranges: list[tuple[int, int]]  # prompt token ranges attributed to documents
     mode: str  # "transparent", "explicit" or "plain"
     documents: int = 0  # documents found (transparent) or given (explicit)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # more stats for last_stats (transparent: confirmations)
     unwarmed: list[str] = field(default_factory=list)  # retrieved/given documents in the prompt not warmed
 
 

@@ -19,8 +19,11 @@ def doc_key(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RegisteredDoc:
-    key: str
-    text: str
+    """One warmed document as the registry holds it: its key, its exact text, and the ids its KV was computed
+    for, with their character offsets when the tokenizer gives them (transparent mode needs them)."""
+
+    key: str  # doc_key(text)
+    text: str  # the exact rendered text that was warmed
     token_ids: tuple[int, ...]  # exactly the ids the engine warmed
     offsets: tuple[tuple[int, int], ...] | None  # character span of each id in ``text`` (None: slow tokenizer)
 

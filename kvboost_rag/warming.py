@@ -17,12 +17,14 @@ Encoder = Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]
 
 @dataclass(frozen=True, slots=True)
 class WarmReport:
+    """What one ``warm_documents`` call did: documents computed now or found warm, and what they cost."""
+
     documents: int  # documents passed (duplicates included)
     warmed: int  # computed now
     already_warm: int  # found in the cache: cost a lookup
     tokens: int  # tokens computed now
     bytes: int  # bytes added to the store
-    seconds: float
+    seconds: float  # wall time of the call
 
 
 def _batches(items: list[str], size: int) -> Iterable[list[str]]:
