@@ -84,3 +84,17 @@ def test_the_extension_turns_roles_into_code_and_comments_into_field_docs():
              "    m: int = 2  # noqa: E501"]
     assert ext.field_comment(lines, 4) == "the budget, in bytes; never negative"
     assert ext.field_comment(lines, 5) == ""
+
+
+def test_wide_tables_and_code_wrap_to_fit_1280_px(site):
+    """The figures and LangChain pages had 8-column tables and 110-character code lines cut at 1280 px: every
+    page loads the stylesheet that wraps table cells and code lines instead of hiding them behind a scrollbar."""
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    rules = {sel.strip(): body for sel, body in re.findall(r"([^{}]+)\{([^{}]*)\}", re.sub(r"/\*.*?\*/", "", css,
+                                                                                          flags=re.S))}
+    assert "pre-wrap" in rules[".md-typeset pre > code"]
+    cells = next(body for sel, body in rules.items() if sel.endswith("table:not([class]) td"))
+    assert "overflow-wrap: anywhere" in cells
+    assert "min-width: 0" in rules[".md-typeset table:not([class]) th"]  # Material's 5rem x 8 columns = 800 px
+    for page in ("figures", "langchain"):
+        assert "stylesheets/extra.css" in (site / page / "index.html").read_text(encoding="utf-8")
