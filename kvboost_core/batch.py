@@ -137,11 +137,12 @@ def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None =
     first ``h`` tokens (up to the end of its last assistant message) are never re-placed; their KV is the exact
     canonical prefill, read from the store where a backfill (:meth:`PrefillTask.turn_job`) put it. On an engine
     whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill."""
+    from kvboost_core.call_options import check_history_tokens, repair_spec
     from kvboost_core.canonical import CanonicalJob
-    from kvboost_core.exact_history import check_history_tokens
 
     check_history_tokens(history_tokens)
-    spec = engine._repair_spec(repair, recompute_ratio, select, check_layer)
+    spec = repair_spec(engine.config, engine.adapter.num_layers, repair=repair, recompute_ratio=recompute_ratio,
+                       select=select, check_layer=check_layer)
     build = bool(engine.config.store_prefix if store_prefix is None else store_prefix)
     if history_tokens is None or not engine._chat_canonical():
         return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=build))

@@ -41,6 +41,12 @@ def validate_namespace(namespace: object) -> str:
     return namespace
 
 
+# The config's repair fields a call may override (kvboost_core.call_options builds a call's RepairSpec from the
+# config and these; the skins' per-call options are read from here): the one list of their names.
+REPAIR_OPTIONS = ("repair", "recompute_ratio", "check_layer", "select", "reuse_repaired", "recompute_mass",
+                  "query_tokens", "recheck_layer", "recheck_ratio")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     chunk_size: int = 128
@@ -146,6 +152,14 @@ class EngineConfig:
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
+
+    @property
+    def repair_spec(self) -> Any:
+        """The repair settings as one value (:class:`kvboost_core.repair.RepairSpec`): what a call that overrides
+        none of them runs (:func:`kvboost_core.call_options.repair_spec` adds a call's overrides)."""
+        from kvboost_core.call_options import repair_spec
+
+        return repair_spec(self, None)
 
 
 def validate_repair(repair: str, ratio: float, select: str = "deviation") -> None:

@@ -22,21 +22,16 @@ from typing import Any
 from kvboost_core.adapters import ScatterCache
 from kvboost_core.assembly import plan_chunks
 from kvboost_core.backfill import BackfillJob, BackfillResult, conversation_job, run_job
+from kvboost_core.call_options import check_history_tokens, repair_spec
 from kvboost_core.canonical import CanonicalJob
 from kvboost_core.prefill import PrefillMixin
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult
 from kvboost_core.segments import Segment, TokenizedSegment, check_vocab
 
+__all__ = ["BackfillMixin", "check_history_tokens"]  # check_history_tokens: kvboost_core.call_options
+
 Prepared = tuple[list[TokenizedSegment], int, list[Any]]  # a prompt's segments, token count and chunks
-
-
-def check_history_tokens(value: Any, turn_end: Any = ()) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"history_tokens must be None or an int >= 0, got {value!r}")
-    if isinstance(turn_end, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in turn_end):
-        raise ValueError(f"turn_end must be a sequence of token ids, got {turn_end!r}")
 
 
 class BackfillMixin(PrefillMixin):
@@ -104,7 +99,7 @@ class BackfillMixin(PrefillMixin):
         A canonical job's chunks are computed and stored as a chat call's history reads them."""
         chunks = [c for c in job.chunks if c.end <= end]
         seg = TokenizedSegment(token_ids=job.token_ids[:end], start=0, cacheable=False)
-        spec = self._repair_spec("full", None, None, None, False, None, None, None, None)
+        spec = repair_spec(self.config, None, repair="full", reuse_repaired=False)
         if job.canonical:
             cj = CanonicalJob(self, None, spec, None, build_blocks=True, prepared=([seg], end, chunks),
                               exact_before=end, head_end=end)
@@ -145,6 +140,12 @@ class BackfillMixin(PrefillMixin):
         self._check_context(total + len(gen))
         canonical = chat and self._chat_canonical()
         return run_job(conversation_job(segs, chunks, gen, self._spans, canonical=canonical), self._backfill_step)
+
+    @property
+    def backfill_results(self) -> tuple[BackfillResult, ...]:
+        """The latest background backfill jobs' results (up to 64, oldest first): tokens found stored and
+        computed, seconds, whether the job finished. For benchmarks and monitoring."""
+        return tuple(self._backfill.results)
 
     def wait_backfill(self, timeout: float | None = None) -> bool:
         """Block until the background backfill jobs submitted so far are done; False on timeout."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvboost_core.backfill import FOLLOW_UP_WAIT_S, conversation_job
-from kvboost_core.config import validate_flag
+from kvboost_core.call_options import CallOptions, call_options
 from kvboost_core.decode import (
     LogitsProcessor,
     SamplingParams,
@@ -19,7 +19,7 @@ from kvboost_core.decode import (
     check_logits_processor,
     process_and_sample,
 )
-from kvboost_core.exact_history import BackfillMixin, check_history_tokens
+from kvboost_core.exact_history import BackfillMixin
 from kvboost_core.forward import decode_step
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import check_vocab
@@ -30,7 +30,7 @@ class GenerationStream:
 
     def __init__(self, engine: GenerationMixin, prompt: Any, params: SamplingParams, kw: dict[str, Any]) -> None:
         self._holder: dict[str, GenerationResult] = {}
-        self._it = engine._run(prompt, params, holder=self._holder, stream=True, **kw)
+        self._it = engine._run(prompt, params, self._holder, kw["opts"], kw["logits_processor"], stream=True)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> GenerationStream:
@@ -58,24 +58,9 @@ class GenerationMixin(BackfillMixin):
         :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece.
         ``logits_processor``: see :meth:`generate`."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        self._check_run_kw(kw)
+        opts = call_options(self.config, self.adapter.num_layers, kw)
         check_logits_processor(logits_processor)
-        return GenerationStream(self, prompt, params, dict(kw, logits_processor=logits_processor))
-
-    _RUN_KW = ("repair", "recompute_ratio", "select", "check_layer", "add_special_tokens", "store_prefix",
-               "reuse_repaired", "recompute_mass", "query_tokens", "recheck_layer", "recheck_ratio",
-               "history_tokens", "turn_end")
-
-    def _check_run_kw(self, kw: dict[str, Any]) -> None:
-        unknown = sorted(set(kw) - set(self._RUN_KW))
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; accepted: {', '.join(self._RUN_KW)}")
-        self._repair_spec(kw.get("repair"), kw.get("recompute_ratio"), kw.get("select"), kw.get("check_layer"),
-                          kw.get("reuse_repaired", True), kw.get("recompute_mass"), kw.get("query_tokens"),
-                          kw.get("recheck_layer"), kw.get("recheck_ratio"))
-        validate_flag("add_special_tokens", kw.get("add_special_tokens"))
-        validate_flag("store_prefix", kw.get("store_prefix"))
-        check_history_tokens(kw.get("history_tokens"), kw.get("turn_end", ()))
+        return GenerationStream(self, prompt, params, {"opts": opts, "logits_processor": logits_processor})
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, *,
@@ -95,26 +80,18 @@ class GenerationMixin(BackfillMixin):
         turn's history as it will be rendered."""
         holder: dict[str, GenerationResult] = {}
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        self._check_run_kw(kw)
+        opts = call_options(self.config, self.adapter.num_layers, kw)
         check_logits_processor(logits_processor)
-        for _ in self._run(prompt, params, holder=holder, logits_processor=logits_processor, **kw):
+        for _ in self._run(prompt, params, holder, opts, logits_processor):
             pass
         return holder["result"]
 
-    def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, *, repair: str | None = None,
-             recompute_ratio: float | None = None, select: str | None = None, check_layer: int | None = None,
-             add_special_tokens: bool | None = None, store_prefix: bool | None = None,
-             reuse_repaired: bool = True, recompute_mass: float | None = None,
-             query_tokens: int | None = None, recheck_layer: int | None = None,
-             recheck_ratio: float | None = None, logits_processor: LogitsProcessor | None = None,
-             history_tokens: int | None = None, turn_end: Sequence[int] = (), stream: bool = False
-             ) -> Iterator[str]:
+    def _run(self, prompt: Any, params: SamplingParams, holder: dict | None, opts: CallOptions,
+             logits_processor: LogitsProcessor | None, *, stream: bool = False) -> Iterator[str]:
         t0 = time.perf_counter()
         if self.config.backfill and self._backfill.pending:  # a follow-up of a turn being backfilled waits for it
-            self._backfill.wait_for(self.tokenize_ids(prompt, add_special_tokens), FOLLOW_UP_WAIT_S)
-        args = (prompt, params, holder, t0, repair, recompute_ratio, select, check_layer, add_special_tokens,
-                store_prefix, reuse_repaired, recompute_mass, query_tokens, recheck_layer, recheck_ratio,
-                logits_processor, history_tokens, turn_end)
+            self._backfill.wait_for(self.tokenize_ids(prompt, opts.add_special_tokens), FOLLOW_UP_WAIT_S)
+        args = (prompt, params, holder, t0, opts, logits_processor)
         if stream:
             # No backfill step starts while the stream computes (its prefill, each decode step), but one may run
             # between its pieces: a stream its reader left open, neither finished nor closed, must not hold the
@@ -124,16 +101,12 @@ class GenerationMixin(BackfillMixin):
             with self._backfill.request():  # generate() runs to the end at once: no backfill step starts meanwhile
                 yield from self._run_request(*args, busy=contextlib.nullcontext)
 
-    def _run_request(self, prompt: Any, params: SamplingParams, holder: dict | None, t0: float, repair: str | None,
-                     recompute_ratio: float | None, select: str | None, check_layer: int | None,
-                     add_special_tokens: bool | None, store_prefix: bool | None, reuse_repaired: bool,
-                     recompute_mass: float | None, query_tokens: int | None, recheck_layer: int | None,
-                     recheck_ratio: float | None, logits_processor: LogitsProcessor | None,
-                     history_tokens: int | None, turn_end: Sequence[int], *,
+    def _run_request(self, prompt: Any, params: SamplingParams, holder: dict | None, t0: float, opts: CallOptions,
+                     logits_processor: LogitsProcessor | None, *,
                      busy: Callable[[], AbstractContextManager[Any]]) -> Iterator[str]:
         """The request; ``busy()`` marks each stretch of computing (none spans a ``yield``)."""
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
-                                 query_tokens, recheck_layer, recheck_ratio)
+        spec, add_special_tokens, store_prefix = opts.spec, opts.add_special_tokens, opts.store_prefix
+        history_tokens, turn_end = opts.history_tokens, opts.turn_end
         generated: list[int] = []
         with busy():
             prepared = self._prompt_chunks(prompt, add_special_tokens)

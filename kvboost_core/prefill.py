@@ -25,13 +25,7 @@ from kvboost_core.assembly import (
     place,
     plan_chunks,
 )
-from kvboost_core.config import (
-    validate_adaptive,
-    validate_check_layer,
-    validate_flag,
-    validate_recheck,
-    validate_repair,
-)
+from kvboost_core.call_options import call_options
 from kvboost_core.engine_base import EngineBase
 from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import kv_precision
@@ -44,32 +38,6 @@ from kvboost_core.store import DensePayload, KVBlock
 
 class PrefillMixin(EngineBase):
     """``prefill()`` and the steps it shares with warming and generation (cache buffers, stored blocks)."""
-
-    def _repair_spec(self, repair: str | None, recompute_ratio: float | None, select: str | None,
-                     check_layer: int | None, reuse_repaired: bool = True, recompute_mass: float | None = None,
-                     query_tokens: int | None = None, recheck_layer: int | None = None,
-                     recheck_ratio: float | None = None) -> RepairSpec:
-        """Per-call overrides, validated as the config validates its own (a per-call check_layer also against
-        the model's layers: the config's is clamped to the last layer since the config does not know the model)."""
-        if check_layer is not None:
-            validate_check_layer(check_layer, self.adapter.num_layers)
-        validate_flag("reuse_repaired", reuse_repaired, allow_none=False)
-        c = self.config
-        spec = RepairSpec(repair=c.repair if repair is None else repair,
-                          recompute_ratio=c.recompute_ratio if recompute_ratio is None else recompute_ratio,
-                          check_layer=c.check_layer if check_layer is None else check_layer,
-                          select=c.select if select is None else select, overlap_k=c.overlap_k,
-                          reuse_repaired=reuse_repaired,
-                          recompute_mass=c.recompute_mass if recompute_mass is None else recompute_mass,
-                          max_recompute_ratio=c.max_recompute_ratio,
-                          query_tokens=c.query_tokens if query_tokens is None else query_tokens,
-                          recheck_layer=c.recheck_layer if recheck_layer is None else recheck_layer,
-                          recheck_ratio=c.recheck_ratio if recheck_ratio is None else recheck_ratio)
-        validate_repair(spec.repair, spec.recompute_ratio, spec.select)
-        validate_recheck(spec.recheck_layer, spec.recheck_ratio, spec.check_layer,
-                         self.adapter.num_layers if recheck_layer is not None else None)
-        validate_adaptive(spec.recompute_mass, spec.max_recompute_ratio, spec.query_tokens)
-        return spec
 
     def _new_cache(self, capacity: int) -> ScatterCache:
         a = self.adapter
@@ -224,10 +192,12 @@ class PrefillMixin(EngineBase):
         ``reuse_repaired=False`` ignores prefix entries stored from earlier repaired (approximate) prefills, so
         the call measures its own strategy; ``repair="full"`` always ignores them."""
         t0 = time.perf_counter()
-        spec = self._repair_spec(repair, recompute_ratio, select, check_layer, reuse_repaired, recompute_mass,
-                                 query_tokens, recheck_layer, recheck_ratio)
-        validate_flag("add_special_tokens", add_special_tokens)
-        validate_flag("store_prefix", store_prefix)
+        opts = call_options(self.config, self.adapter.num_layers, dict(
+            repair=repair, recompute_ratio=recompute_ratio, select=select, check_layer=check_layer,
+            reuse_repaired=reuse_repaired, recompute_mass=recompute_mass, query_tokens=query_tokens,
+            recheck_layer=recheck_layer, recheck_ratio=recheck_ratio, add_special_tokens=add_special_tokens,
+            store_prefix=store_prefix))
+        spec = opts.spec
         result, plan, cache = self._prefill(prompt, spec, 0, add_special_tokens, t0)
         self._store_prefix(plan, cache, spec, store_prefix)
         return result

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvboost_core.config import REPAIR_OPTIONS  # no torch: the skins import this module on their own import
+
 # Generation options every skin accepts per call (both spellings of the token budget).
 GENERATION_KEYS = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop"})
-# Engine options passed through per call.
-ENGINE_KEYS = frozenset({"kv_documents", "repair", "recompute_ratio", "select", "check_layer", "store_prefix",
-                         "add_special_tokens"})
+# Engine options passed through per call: the engine's repair overrides (one list: kvboost_core.config) and more.
+ENGINE_KEYS = frozenset({"kv_documents", "store_prefix", "add_special_tokens", *REPAIR_OPTIONS})
 CALL_KEYS = GENERATION_KEYS | ENGINE_KEYS
 
 _TASKS = ("text-generation",)
@@ -41,6 +42,21 @@ def check_call_kwargs(kwargs: Mapping[str, Any], allowed: Iterable[str], *, owne
     if unknown:
         raise TypeError(f"{owner} got unexpected keyword argument(s) {unknown}; per-call options are "
                         f"{sorted(CALL_KEYS & allowed)}")
+
+
+def merge_call_options(defaults: Mapping[str, Any], kwargs: Mapping[str, Any], allowed: Iterable[str], *,
+                       owner: str) -> dict[str, Any]:
+    """A call's options in both skins, by one rule: ``kwargs`` (the call's) over ``defaults`` (the instance's
+    fields). A name not in ``allowed`` is a ``TypeError`` naming it; ``max_tokens`` and ``max_new_tokens`` are two
+    spellings of one option, named ``max_new_tokens`` in the result, and giving both is a ``TypeError``.
+    Only names in :data:`CALL_KEYS` are returned (a framework's own keys in ``allowed`` are not options)."""
+    check_call_kwargs(kwargs, allowed, owner=owner)
+    kw = {k: v for k, v in kwargs.items() if k in CALL_KEYS}
+    if "max_tokens" in kw:
+        if "max_new_tokens" in kw:
+            raise TypeError(f"{owner}: max_tokens= repeats max_new_tokens= (two spellings of one option); pass one")
+        kw["max_new_tokens"] = kw.pop("max_tokens")
+    return {**defaults, **kw}
 
 
 def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None,

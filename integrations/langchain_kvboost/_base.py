@@ -12,8 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, mo
 from kvboost_rag.aio import aiter_in_thread
 from kvboost_rag.options import (
     CALL_KEYS,
-    ENGINE_KEYS,
-    check_call_kwargs,
+    merge_call_options,
     pipeline_options,
     split_model_kwargs,
 )
@@ -142,24 +141,16 @@ class KVBoostFields(BaseModel):
                                        progress=progress)
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here). An
-        unknown keyword is a TypeError, never silently ignored."""
-        check_call_kwargs(kwargs, _ALLOWED, owner=type(self).__name__)
+        """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here) by the rule both
+        skins share (:func:`kvboost_rag.options.merge_call_options`): an unknown keyword is a TypeError, never
+        silently ignored, and so is giving both max_tokens and max_new_tokens."""
         stops = list(self.stop or []) + list(stop or [])
-        opts: dict[str, Any] = {
-            "max_new_tokens": int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))),
-            "temperature": float(kwargs.get("temperature", self.temperature)),
-            "top_p": float(kwargs.get("top_p", self.top_p)),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": stops or None,
-        }
-        for key in ("repair", "recompute_ratio"):
-            value = kwargs.get(key, getattr(self, key))
-            if value is not None:
-                opts[key] = value
-        for key in ENGINE_KEYS:
-            if key in kwargs and key not in opts:
-                opts[key] = kwargs[key]
+        defaults: dict[str, Any] = {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
+                                    "top_p": self.top_p, "seed": self.seed, "stop": stops or None}
+        defaults |= {k: getattr(self, k) for k in ("repair", "recompute_ratio") if getattr(self, k) is not None}
+        opts = merge_call_options(defaults, kwargs, _ALLOWED, owner=type(self).__name__)
+        opts["max_new_tokens"] = int(opts["max_new_tokens"])
+        opts["temperature"], opts["top_p"] = float(opts["temperature"]), float(opts["top_p"])
         return opts
 
     def _params(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvboost_rag.aio import aiter_in_thread, run_blocking
 from kvboost_rag.options import (
     CALL_KEYS,
-    check_call_kwargs,
+    merge_call_options,
     pipeline_options,
     split_model_kwargs,
     stop_token_ids,
@@ -256,21 +256,12 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
 
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        check_call_kwargs(kwargs, CALL_KEYS, owner="KVBoostLLM")
-        if "max_tokens" in kwargs:
-            kwargs = dict(kwargs)
-            if "max_new_tokens" in kwargs:
-                raise TypeError("max_tokens= repeats max_new_tokens= (two spellings of one option); pass one")
-            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                               "top_p": self.top_p, "stop": self.stop, "seed": self.seed}
-        if self.repair is not None:
-            out["repair"] = self.repair
-        if self.recompute_ratio is not None:
-            out["recompute_ratio"] = self.recompute_ratio
-        out.update(self.engine_call_kwargs)
-        out.update(kwargs)
-        return out
+        """Instance defaults with per-call overrides, by the rule both skins share
+        (:func:`kvboost_rag.options.merge_call_options`)."""
+        defaults: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                    "top_p": self.top_p, "stop": self.stop, "seed": self.seed}
+        defaults |= {k: getattr(self, k) for k in ("repair", "recompute_ratio") if getattr(self, k) is not None}
+        return merge_call_options({**defaults, **self.engine_call_kwargs}, kwargs, CALL_KEYS, owner="KVBoostLLM")
 
     def _full_prompt(self, prompt: str, formatted: bool) -> str:
         if not isinstance(prompt, str):
