@@ -135,6 +135,20 @@ def test_chat_output_is_bitwise_the_same_cold_warm_mid_backfill_and_evicted(tiny
     _same(ref[2][0], warm.generate(segs, max_new_tokens=5, history_tokens=history, store_prefix=False))
 
 
+def test_chat_history_survives_a_restart_from_the_disk_tier(tiny_llama, tokenizer, tmp_path):
+    """A chat backfilled into a memory + disk store, then a new engine (a restarted process: empty memory tier)
+    over the same directory: its next turn reads the whole history from disk, bitwise as the first engine."""
+    tiers = ["memory", f"disk:{tmp_path}"]
+    first = _warmed(tiny_llama, tokenizer, store=tiers)
+    ref = _chat(first)
+    answers = [r.token_ids for r, _ in ref]
+    restarted = _warmed(tiny_llama, tokenizer, store=tiers)
+    segs, history = _prompt(restarted, answers[:2])
+    got = restarted.generate(segs, max_new_tokens=5, history_tokens=history)
+    assert got.stats["reused_exact"] >= history > 0 and got.stats["reused_approx"] == 0
+    _same(ref[2][0], got)
+
+
 def test_one_shot_completions_keep_their_path_and_bad_history_is_refused(tiny_llama, tokenizer):
     eng = _warmed(tiny_llama, tokenizer)
     segs, _ = _prompt(eng, [])
