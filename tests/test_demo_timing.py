@@ -11,18 +11,6 @@ from kvboost_rag.app import demo_timing as dt
 from kvboost_rag.warming import WarmReport
 
 
-def test_repeat_runs_stops_at_the_count_and_after_an_expensive_run():
-    calls = []
-
-    def again(s):
-        return lambda: calls.append(s) or s
-
-    assert dt.repeat_runs(0.1, again(0.2), n=3, cheap_s=1.0) == [0.1, 0.2, 0.2]
-    assert dt.repeat_runs(0.1, again(5.0), n=3, cheap_s=1.0) == [0.1, 5.0]  # the expensive run is not repeated
-    assert dt.repeat_runs(2.0, again(0.1), n=3, cheap_s=1.0) == [2.0]  # an expensive call runs once
-    assert calls == [0.2, 0.2, 5.0]
-
-
 class FakeChat:
     """Records invoke calls; each returns the next (ttft, prompt ids, reuse ratio)."""
 
@@ -43,20 +31,30 @@ class FakeChat:
                           bytes=100 * len(docs), seconds=0.01)
 
 
-def test_reuse_probes_store_nothing_and_stop_after_an_expensive_run():
-    chat = FakeChat([(0.2, [1, 2], 0.5), (0.1, [1, 2], 0.5)])
-    probes = dt.reuse_probes(chat, ["m"], n=3, cheap_s=1.0)
-    assert [p.ttft_s for p in probes] == [0.2, 0.1]
-    assert chat.calls == [{"max_tokens": 1, "store_prefix": False}] * 2  # one token, no prefix, no backfill
-    chat = FakeChat([(3.0, [1, 2], 0.5)])
-    assert len(dt.reuse_probes(chat, ["m"], n=3, cheap_s=1.0)) == 1
+def test_both_sides_are_repeated_alike_and_only_when_a_full_prefill_is_cheap():
+    assert dt.extra_runs(0.5, n=3, cheap_s=1.0) == 2
+    assert dt.extra_runs(6.0, n=3, cheap_s=1.0) == 0  # a slow full prefill: each call runs once
+    order: list[str] = []
+    probes, fulls = dt.alternate(2, lambda: order.append("reuse") or dt.Probe(0.1, ()),
+                                 lambda: order.append("full") or 0.4)
+    assert order == ["reuse", "full", "reuse", "full"] and len(probes) == 2 and fulls == [0.4, 0.4]
 
 
-def test_only_probes_that_did_the_answers_work_count():
-    chat = FakeChat([(0.2, [1, 2], 0.5), (0.1, [1, 2, 3], 0.5), (0.3, [1, 2], 0.5)])
-    probes = dt.reuse_probes(chat, ["m"], n=3) + dt.reuse_probes(chat, ["m"], n=2)
-    key = dt.probe_key(chat)  # the last call: ids [1, 2], ratio 0.5
-    assert dt.reuse_runs(0.9, key, probes) == [0.9, 0.2, 0.3]  # the probe with other ids is left out
+def test_reuse_probes_store_nothing():
+    chat = FakeChat([(0.2, [1, 2], 0.5)])
+    probe = dt.reuse_probe(chat, ["m"])
+    assert probe.ttft_s == 0.2 and probe.key == ((1, 2), 0.5, 0, 0, 0)
+    assert chat.calls == [{"max_tokens": 1, "store_prefix": False}]  # one token, no prefix, no backfill
+
+
+def test_only_probes_that_did_the_answers_work_count_and_both_sides_keep_as_many_runs():
+    chat = FakeChat([(0.2, [1, 2], 0.5), (0.1, [1, 2, 3], 0.5), (0.9, [1, 2], 0.5)])
+    probes = [dt.reuse_probe(chat, ["m"]) for _ in range(2)]
+    chat.invoke(["m"])  # the answer's own call: ids [1, 2], ratio 0.5
+    reuse, full = dt.paired(0.9, dt.probe_key(chat), probes, [2.0, 1.5, 1.4])
+    assert reuse == [0.9, 0.2]  # the probe with other ids is left out...
+    assert full == [2.0, 1.5]  # ...and the full side is cut to as many runs, the reference's own first
+    assert dt.paired(0.9, dt.probe_key(chat), [], [2.0]) == ([0.9], [2.0])
 
 
 def _m(load_now, load_start=0.5, cores=2):
@@ -126,6 +124,6 @@ def test_chat_demo_repeats_timings_prints_load_and_warming_progress(tiny_dir, ca
     assert "Machine load: 1-min load average" in out and "fastest of up to 3 runs" in out
     assert ("NOISY" in out) != ("steady" in out) or "ran once" in out
     # The tiny model's calls are cheap, so they are repeated, and the repeats did the answers' own work (same
-    # prompt ids and reuse): at least one row reports three reuse runs.
-    assert re.search(r"fastest of 3\+\d runs", out)
+    # prompt ids and reuse): at least one row reports three runs each way.
+    assert re.search(r"fastest of 3 each", out)
     assert "pays off" in out and "once at ingestion" in out

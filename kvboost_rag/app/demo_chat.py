@@ -13,8 +13,8 @@ template gives, greedy on HF's own cache):
    a full prefill and only the time changes.
 
 The summary prints, for every turn, the answer each way, right or wrong, identical or not, TTFT each way (the
-fastest of a few runs where a run is cheap, with the machine's load and whether the timings are noisy: see
-:mod:`kvboost_rag.app.demo_timing`), when warming pays off, and where the demo's time went.
+fastest of as many runs each way, a few where a full prefill is cheap; with the machine's load and whether the
+timings are noisy: see :mod:`kvboost_rag.app.demo_timing`), when warming pays off, and where the time went.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class Turn:
 
     @property
     def runs(self) -> str:
-        return f"{len(self.reuse_runs)}+{len(self.full_runs)}"
+        """Runs per side (as many both ways)."""
+        return str(min(len(self.reuse_runs), len(self.full_runs)))
 
     @property
     def identical(self) -> bool:
@@ -127,40 +128,34 @@ def reference(chat: Any, messages: Sequence[Mapping[str, str]], max_new_tokens: 
     return hf_greedy(eng.model, eng.tokenizer, ids, max_new_tokens, set(eng.eos_token_ids))
 
 
-def timed_reference(chat: Any, messages: Sequence[Mapping[str, str]], max_new_tokens: int, clock: Clock,
-                    what: str) -> tuple[Any, list[float]]:
-    """(the reference answer, its TTFT runs): the one-token prefill repeated while it is cheap."""
+def timed_reference(chat: Any, messages: Sequence[Mapping[str, str]], lc_messages: Any, max_new_tokens: int,
+                    clock: Clock, what: str) -> tuple[Any, list[dt.Probe], list[float]]:
+    """The reference answer first, then, where one full prefill is cheap, more one-token runs each way
+    (``lc_messages``: the same chat as ``ChatKVBoost`` takes it): (reference, reuse probes, full runs)."""
     t0 = time.perf_counter()
     ref = reference(chat, messages, max_new_tokens)
     clock.add(f"the same {what} by full prefill (reference)", time.perf_counter() - t0)
     t0 = time.perf_counter()
-    runs = dt.repeat_runs(ref.ttft_s, lambda: float(reference(chat, messages, 1).ttft_s))
+    probes, fulls = dt.alternate(dt.extra_runs(ref.ttft_s), lambda: dt.reuse_probe(chat, lc_messages),
+                                 lambda: float(reference(chat, messages, 1).ttft_s))
     clock.add("repeated TTFT runs (timing only)", time.perf_counter() - t0)
-    return ref, runs
-
-
-def probes(chat: Any, messages: Any, clock: Clock) -> list[dt.Probe]:
-    t0 = time.perf_counter()
-    out = dt.reuse_probes(chat, messages)
-    clock.add("repeated TTFT runs (timing only)", time.perf_counter() - t0)
-    return out
+    return ref, probes, [ref.ttft_s, *fulls]
 
 
 def ask_chain(chain: Any, retriever: Any, chat: Any, q: rc.CorpusQuestion, max_new_tokens: int,
               clock: Clock) -> Turn:
-    # The chat the chain will send (stuff-documents joins page contents with "\n\n"), for the timing runs
-    # before it and plain HF after it.
+    # The chat the chain will send (stuff-documents joins page contents with "\n\n"), for plain HF and the
+    # timing runs, all before the chain's own call (the runs store nothing; the call stores its prefix).
     context = "\n\n".join(d.page_content for d in retriever.invoke(q.question))
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": HUMAN.format(context=context, input=q.question)}]
-    early = probes(chat, messages, clock)
+    ref, probes, fulls = timed_reference(chat, messages, messages, max_new_tokens, clock, "answers")
     t0 = time.perf_counter()
     out = chain.invoke({"input": q.question})
     clock.add("answers with reuse", time.perf_counter() - t0)
     stats = dict(chat.last_stats)
-    runs = dt.reuse_runs(float(stats["ttft_s"]), dt.probe_key(chat), early)
+    runs, full_runs = dt.paired(float(stats["ttft_s"]), dt.probe_key(chat), probes, fulls)
     answer = str(out["answer"]).strip()
-    ref, full_runs = timed_reference(chat, messages, max_new_tokens, clock, "answers")
     return Turn("retrieval", q.question, q.answer, answer, ref.text.strip(), rc.is_correct(answer, q),
                 rc.is_correct(ref.text, q), runs, full_runs, reuse_mode(stats),
                 float(stats["reuse_ratio"]), len(ref.ids), int(stats.get("documents", 0)))
@@ -197,16 +192,15 @@ def follow_up(chat: Any, corpus: rc.RagCorpus, exclude: set[str], max_new_tokens
                 else f"Question: {q.question}")
         history.append(HumanMessage(text))
         plain.append({"role": "user", "content": text})
-        early = probes(chat, history, clock)
+        ref, probes, fulls = timed_reference(chat, plain, history, max_new_tokens, clock, "turns")
         t0 = time.perf_counter()
         msg = chat.invoke(history)
         clock.add("follow-up turns with reuse", time.perf_counter() - t0)
         stats = dict(chat.last_stats)
-        runs = dt.reuse_runs(float(stats["ttft_s"]), dt.probe_key(chat), early)
+        runs, full_runs = dt.paired(float(stats["ttft_s"]), dt.probe_key(chat), probes, fulls)
         t0 = time.perf_counter()
         chat.rag.engine.wait_backfill()  # exact history (backfill="auto") is computed between turns, not meanwhile
         clock.add("exact history between turns (backfill)", time.perf_counter() - t0)
-        ref, full_runs = timed_reference(chat, plain, max_new_tokens, clock, "turns")
         answer = str(msg.content).strip()
         yield Turn(f"chat turn {i}", q.question, q.answer, answer, ref.text.strip(), rc.is_correct(answer, q),
                    rc.is_correct(ref.text, q), runs, full_runs, reuse_mode(stats),
@@ -242,7 +236,7 @@ def print_turn(i: int, t: Turn) -> None:
     print(f"    full:  {t.answer_full!r} -> {_mark(t.correct_full)}")
     same = "identical" if t.identical else ("same first sentence" if t.same_first_sentence else "answers differ")
     print(f"    {t.prompt_tokens} prompt tokens, reused {t.reuse_ratio:.0%} ({t.mode}) | TTFT reuse "
-          f"{seconds(t.ttft_s)}, full prefill {seconds(t.ttft_full_s)} (fastest of {t.runs} runs): "
+          f"{seconds(t.ttft_s)}, full prefill {seconds(t.ttft_full_s)} (fastest of {t.runs} each): "
           f"{speedup(t.ttft_full_s, t.ttft_s)} | {same}")
 
 

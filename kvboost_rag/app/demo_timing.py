@@ -5,12 +5,15 @@ A single TTFT on a shared CPU swings with whatever else runs: one turn with 90% 
 fastest run is reported (the one least disturbed), and the summary prints the machine's load and says plainly
 when the timings are noisy.
 
-- **Reuse side**: up to ``REPEATS - 1`` extra one-token calls of the same chat with ``store_prefix=False`` run
-  *before* the answer's own call, so they store nothing (no prefix, no backfill) and find the store exactly as
-  the answer's call does. A run counts only when its prompt ids and reuse stats equal the answer call's.
-- **Full prefill side**: plain HF is stateless, so the one-token prefill is repeated after the reference.
-- Only cheap calls are repeated: a side stops once one run takes ``CHEAP_S`` or more, so a slow machine (where
-  one full prefill of 1.7K tokens takes seconds) adds at most one extra reuse-side run per turn.
+- **The same number of runs both ways.** The fastest of three runs is faster than one run by luck alone, so
+  a side is never repeated more than the other: the plain HF reference runs first, and only when its TTFT is
+  under ``CHEAP_S`` do both sides get ``REPEATS - 1`` more one-token runs, alternating. A slow machine (where
+  one full prefill of 1.7K tokens takes seconds) runs each call once, as before, and is told so.
+- **Reuse side**: the extra runs are one-token calls of the same chat with ``store_prefix=False``, made *before*
+  the answer's own call, so they store nothing (no prefix, no backfill) and find the store exactly as the
+  answer's call does. A run counts only when its prompt ids and reuse stats equal the answer call's; a side
+  left with fewer runs cuts the other to as many.
+- **Full prefill side**: plain HF is stateless; its extra runs are the one-token prefill again.
 
 Warming is reported as it goes (a bar on a terminal, plain lines in a log), and the summary says when it pays
 off: about one prefill per document, paid once at ingestion, against what each question saves.
@@ -50,27 +53,34 @@ def probe_key(chat: Any) -> tuple[Any, ...]:
         "reused_approx", "reused_repaired", "reused_block")))
 
 
-def reuse_probes(chat: Any, messages: Any, n: int = REPEATS, cheap_s: float = CHEAP_S) -> list[Probe]:
-    """Up to ``n - 1`` one-token runs of ``messages`` that store nothing; stop after a run of ``cheap_s`` or more."""
+def reuse_probe(chat: Any, messages: Any) -> Probe:
+    """One one-token run of ``messages`` that stores nothing (no prefix entry, no backfill)."""
+    chat.invoke(messages, max_tokens=1, store_prefix=False)
+    return Probe(float(chat.last_stats["ttft_s"]), probe_key(chat))
+
+
+def extra_runs(full_first_s: float, n: int = REPEATS, cheap_s: float = CHEAP_S) -> int:
+    """More runs each way: ``n - 1`` when one full prefill took under ``cheap_s``, else none."""
+    return n - 1 if full_first_s < cheap_s else 0
+
+
+def alternate(k: int, reuse: Callable[[], Probe], full: Callable[[], float]) -> tuple[list[Probe], list[float]]:
+    """``k`` runs each way, alternating (so a burst of load hits both sides alike)."""
     probes: list[Probe] = []
-    while len(probes) < n - 1 and (not probes or probes[-1].ttft_s < cheap_s):
-        chat.invoke(messages, max_tokens=1, store_prefix=False)
-        probes.append(Probe(float(chat.last_stats["ttft_s"]), probe_key(chat)))
-    return probes
+    fulls: list[float] = []
+    for _ in range(k):
+        probes.append(reuse())
+        fulls.append(full())
+    return probes, fulls
 
 
-def reuse_runs(first_s: float, key: tuple[Any, ...], probes: Sequence[Probe]) -> list[float]:
-    """The answer call's TTFT and those of the probes that did exactly its work."""
-    return [first_s] + [p.ttft_s for p in probes if p.key == key]
-
-
-def repeat_runs(first_s: float, again: Callable[[], float], n: int = REPEATS, cheap_s: float = CHEAP_S
-                ) -> list[float]:
-    """``first_s`` and up to ``n - 1`` more runs of ``again()``, while the last run took under ``cheap_s``."""
-    runs = [first_s]
-    while len(runs) < n and runs[-1] < cheap_s:
-        runs.append(again())
-    return runs
+def paired(reuse_first_s: float, key: tuple[Any, ...], probes: Sequence[Probe], full_runs: Sequence[float]
+           ) -> tuple[list[float], list[float]]:
+    """(reuse runs, full runs), as many each: the answer call's TTFT and the probes that did exactly its work,
+    against the reference's runs (each list's first run is the answer's or the reference's own)."""
+    reuse = [reuse_first_s] + [p.ttft_s for p in probes if p.key == key]
+    k = min(len(reuse), len(full_runs))
+    return reuse[:k], list(full_runs[:k])
 
 
 def spread(runs: Sequence[float]) -> float:
@@ -107,8 +117,8 @@ def noise_lines(m: Machine, runs: Sequence[tuple[Sequence[float], Sequence[float
         return "n/a" if x is None else f"{x:.2f}"
 
     counts = [len(r) for pair in runs for r in pair]
-    lines = [f"TTFT: the fastest of up to {REPEATS} runs each way (a call is repeated only while one run takes "
-             f"under {seconds(CHEAP_S)}), both ways side by side in this process; runs = reuse + full.",
+    lines = [f"TTFT: the fastest of up to {REPEATS} runs each way, as many runs both ways, alternating, in this "
+             f"process (repeated only where one full prefill takes under {seconds(CHEAP_S)}); runs = per side.",
              f"Machine load: 1-min load average {fmt(m.load_now)} now, {fmt(m.load_start)} when the demo "
              f"started, on {m.cores} cores (torch uses {m.threads} thread{'s' if m.threads != 1 else ''})."]
     why = []
@@ -123,8 +133,8 @@ def noise_lines(m: Machine, runs: Sequence[tuple[Sequence[float], Sequence[float
                      "way from run to run; read them as rough, and see the measured figures (with their "
                      "intervals) for the real ratios.")
     elif counts and max(counts) == 1:
-        lines.append("Each call ran once (every run took over the repeat limit): one run per call cannot show "
-                     "noise, so read the speedups as rough.")
+        lines.append(f"Each call ran once (every full prefill took {seconds(CHEAP_S)} or more, too slow to "
+                     "repeat): one run per call cannot show noise, so read the speedups as rough.")
     else:
         lines.append(f"Timings look steady: load at or below the core count, repeated runs within {SPREAD}x of "
                      "each other.")
@@ -169,6 +179,6 @@ def payoff_lines(warm_s: float, documents: int, saved: Mapping[str, float]) -> l
             f"it pays off after about {math.ceil(warm_s / per)} questions that retrieve these documents."]
 
 
-__all__ = ["CHEAP_S", "REPEATS", "SPREAD", "WARM_PAYS", "Machine", "Probe", "load_average", "machine",
-           "noise_lines", "payoff_lines", "probe_key", "repeat_runs", "reuse_probes", "reuse_runs", "spread",
+__all__ = ["CHEAP_S", "REPEATS", "SPREAD", "WARM_PAYS", "Machine", "Probe", "alternate", "extra_runs",
+           "load_average", "machine", "noise_lines", "paired", "payoff_lines", "probe_key", "reuse_probe", "spread",
            "warm"]
