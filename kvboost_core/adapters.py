@@ -212,26 +212,6 @@ class ModelAdapter:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def mask(self, q_pos: torch.Tensor, length: int, layer: int) -> torch.Tensor | None:
-        """Exactly causal: a query at position p sees keys at positions <= p (and > p - window).
-
-        When every position [0, length) is computed (a cold prefill) and SDPA runs, None lets SDPA apply its own
-        causal mask: the same attention, through the fused kernel instead of a materialized (n, T) mask."""
-        window = self.windows[layer]
-        impl = attention.base_impl(self.model.config)  # not the wrapper's name a forward may have switched to
-        full = q_pos.numel() == length and (length == 0 or int(q_pos[-1]) == length - 1)
-        if full and window is None and impl == "sdpa":
-            return None
-        k_pos = torch.arange(length, device=q_pos.device)
-        allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
-        if window is not None:
-            allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
-        allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)
-        if impl == "eager":
-            neg = torch.finfo(self.dtype).min
-            return torch.zeros(allowed.shape, dtype=self.dtype, device=q_pos.device).masked_fill(~allowed, neg)
-        return allowed
-
 
 def _sliding_windows(cfg: Any, n_layers: int) -> list[int | None]:
     window = getattr(cfg, "sliding_window", None)

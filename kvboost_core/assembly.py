@@ -201,9 +201,13 @@ def place(plan: Plan, keys: list[torch.Tensor], values: list[torch.Tensor], rota
 
 
 def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[int],
-                      chunks: Sequence[Chunk], *, precision: str) -> list[tuple[CacheKey, CacheKey, bytes]]:
-    """(parent, key, context digest) of every chunk's prefix entry, in order, in ``precision``'s key space."""
-    out, parent, digest = [], root_key(namespace, fingerprint, precision=precision), b""
+                      chunks: Sequence[Chunk], *, precision: str, root: CacheKey | None = None
+                      ) -> list[tuple[CacheKey, CacheKey, bytes]]:
+    """(parent, key, context digest) of every chunk's prefix entry, in order, in ``precision``'s key space: the
+    one walk of a prefix chain. ``root``: the chain's root (default: the engine's ordinary prefix chain; the
+    canonical chain of :mod:`kvboost_core.canonical` has its own)."""
+    out, digest = [], b""
+    parent = root_key(namespace, fingerprint, precision=precision) if root is None else root
     for ch in chunks:
         key = prefix_key(parent, ids[ch.start:ch.end])
         digest = chain_digest(digest, ids[ch.start:ch.end])

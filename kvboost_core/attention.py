@@ -73,6 +73,23 @@ def base_impl(config: Any) -> str:
     return str(impl)
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The one causal rule, as a bool matrix (r, K): a query at position p sees a key at k when k <= p (and
+    k > p - window under a sliding window). Every mask of the package is built from it."""
+    q, k = q_pos.view(-1, 1), k_pos.view(1, -1)
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+def additive(allowed: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` as an additive float mask: 0 where visible, else -inf (SDPA; what it makes of a bool mask) or
+    the dtype's minimum (eager, as the model's own masks)."""
+    neg = float("-inf") if impl != "eager" else torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, neg)
+
+
 def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: str, dtype: torch.dtype,
                block_rows: int | None = None, split_gain: float | None = None) -> RowBlocks:
     """Query blocks for sorted positions ``q_pos`` (n,) attending keys [0, length): a row at position p sees keys
@@ -86,7 +103,6 @@ def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: st
     n = int(q_pos.numel())
     if n and int(q_pos[-1]) >= length:
         raise ValueError(f"a query position ({int(q_pos[-1])}) is past the attended length {length}")
-    neg = float("-inf") if impl != "eager" else torch.finfo(dtype).min  # eager: as the model's own masks
     pos = q_pos.tolist()
     pos_np = np.asarray(pos, dtype=np.int64)
     spans: list[tuple[int, int]] = []
@@ -96,12 +112,8 @@ def row_blocks(q_pos: torch.Tensor, length: int, window: int | None, *, impl: st
     for a, b in spans:
         k_lo = 0 if window is None else max(0, pos[a] - window + 1)
         k_hi = pos[b - 1] + 1
-        k = torch.arange(k_lo, k_hi, device=q_pos.device).view(1, -1)  # (1, K)
-        q = q_pos[a:b].view(-1, 1)  # (r, 1)
-        allowed = k <= q  # (r, K)
-        if window is not None:
-            allowed &= k > q - window
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, neg)
+        allowed = visible(q_pos[a:b], torch.arange(k_lo, k_hi, device=q_pos.device), window)  # (r, K)
+        mask = additive(allowed, impl, dtype)
         blocks.append(QueryBlock(a, b, k_lo, k_hi, mask.view(1, 1, b - a, k_hi - k_lo)))
     return RowBlocks(n, tuple(blocks))
 

@@ -345,15 +345,10 @@ class BatchedDecoder:
         float masks built once per step (0 / -inf under SDPA, as SDPA itself would convert a bool mask in every
         layer; 0 / finfo.min under eager, as the model's own masks)."""
         a = self.adapter
-        k_pos = torch.arange(length, device=pos.device).view(1, -1)
-        q_pos = pos.view(-1, 1)
-        eager = attention.base_impl(a.model.config) == "eager"
-        neg = torch.finfo(a.dtype).min if eager else float("-inf")
+        impl = attention.base_impl(a.model.config)
+        k_pos = torch.arange(length, device=pos.device)
         out: dict[int | None, torch.Tensor] = {}
         for window in set(a.windows):
-            allowed = k_pos <= q_pos
-            if window is not None:
-                allowed &= k_pos > (q_pos - window)
-            allowed = allowed.view(pos.numel(), 1, 1, length)  # (n, 1, 1, T)
-            out[window] = torch.zeros(allowed.shape, dtype=a.dtype, device=pos.device).masked_fill(~allowed, neg)
+            allowed = attention.visible(pos, k_pos, window).view(pos.numel(), 1, 1, length)  # (n, 1, 1, T)
+            out[window] = attention.additive(allowed, impl, a.dtype)
         return out

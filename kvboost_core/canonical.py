@@ -43,7 +43,7 @@ from kvboost_core.assembly import (
     Chunk,
     Placement,
     Plan,
-    chain_digest,
+    chunk_prefix_keys,
     lookup,
     place,
 )
@@ -116,14 +116,9 @@ class CanonicalJob:
         head = [ch for ch in chunks if ch.end <= p]
 
         # stored canonical chunks, whole ones only, chained from the canonical root
-        parent, digest, hit_end = canonical_root(cfg.namespace, engine.fingerprint, precision), b"", 0
-        chain: list[tuple[CacheKey, CacheKey, bytes]] = []  # (parent, key, digest) per head chunk
-        for ch in head:
-            want = ids[ch.start:ch.end]
-            key, dig = prefix_key(parent, want), chain_digest(digest, want)
-            chain.append((parent, key, dig))
-            parent, digest = key, dig
-        hits = 0
+        chain = chunk_prefix_keys(cfg.namespace, engine.fingerprint, ids, head, precision=precision,
+                                  root=canonical_root(cfg.namespace, engine.fingerprint, precision))
+        hits, hit_end = 0, 0
         for ch, (_, key, dig) in zip(head, chain):
             block = engine.store.get(key)
             if not (block is not None and block.kind == "prefix" and block.base_position == ch.start

@@ -121,15 +121,9 @@ def dense_mask(q_pos: torch.Tensor, length: int, window: int | None, *, impl: st
                ) -> torch.Tensor:
     """The dense causal mask (1, 1, n, T) every computed row used to attend with: bool for SDPA, additive for
     eager. Each row reads all T keys; the reference the block attention is checked against."""
-    k_pos = torch.arange(length, device=q_pos.device)
-    allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (n, T)
-    if window is not None:
-        allowed &= k_pos.view(1, -1) > (q_pos.view(-1, 1) - window)
+    allowed = attention.visible(q_pos, torch.arange(length, device=q_pos.device), window)  # (n, T)
     allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, n, T)
-    if impl == "eager":
-        neg = torch.finfo(dtype).min
-        return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, neg)
-    return allowed
+    return attention.additive(allowed, impl, dtype) if impl == "eager" else allowed
 
 
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

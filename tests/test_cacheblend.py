@@ -10,7 +10,6 @@ from conftest import CORPUS
 from helpers import docs_prompt, engine_for, full_logits, full_prefill_kv
 
 from kvboost_core import attention
-from kvboost_core.adapters import ModelAdapter
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +19,22 @@ def eng(tiny_llama, tokenizer):
     return e
 
 
-def test_mask_is_exactly_causal(tiny_llama):
-    adapter = ModelAdapter.for_model(tiny_llama)
+def test_mask_is_exactly_causal():
+    """The one causal rule every mask is built from (attention.visible), with and without a window, and the
+    dense reference and the additive form built from it."""
+    from kvboost_core import attention
+    from kvboost_core.forward import dense_mask
+
     q = torch.tensor([2, 5, 9])
-    m = adapter.mask(q, 12, 0)[0, 0]  # (3, 12)
+    m = dense_mask(q, 12, None, impl="sdpa", dtype=torch.float32)[0, 0]  # (3, 12)
     for i, p in enumerate(q.tolist()):
         assert m[i, : p + 1].all() and not m[i, p + 1:].any()
+    w = attention.visible(q, torch.arange(12), 3)
+    for i, p in enumerate(q.tolist()):
+        assert w[i].nonzero().flatten().tolist() == [p - 2, p - 1, p]
+    add = attention.additive(w, "eager", torch.float32)
+    assert (add[w] == 0).all() and (add[~w] == torch.finfo(torch.float32).min).all()
+    assert (attention.additive(w, "sdpa", torch.float32)[~w] == float("-inf")).all()
 
 
 def _kv_before(res, end):
