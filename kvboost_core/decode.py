@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,3 +175,19 @@ class TextStream:
         piece = self.text[self._emitted:]
         self._emitted = len(self.text)
         return piece
+
+
+def next_piece(stream: TextStream, token: int, *, eos: Container[int], generated: int, limit: int,
+               full: bool = False, ignore_eos: bool = False) -> tuple[str, str | None]:
+    """The one stop rule of a generation, after ``token`` is its ``generated``-th token: (the text piece it
+    adds, the finish reason or None to go on). ``"eos"`` (an end-of-sequence token, not added to the text,
+    unless ``ignore_eos``), ``"stop"`` (the text reached a stop string), ``"length"`` (``limit`` tokens, or
+    ``full``: no room left in the cache)."""
+    if not ignore_eos and token in eos:
+        return "", "eos"
+    piece = stream.push(token)
+    if stream.stopped:
+        return piece, "stop"
+    if generated >= limit or full:
+        return piece, "length"
+    return piece, None

@@ -17,6 +17,7 @@ from kvboost_core.decode import (
     SamplingParams,
     TextStream,
     check_logits_processor,
+    next_piece,
     process_and_sample,
 )
 from kvboost_core.exact_history import BackfillMixin
@@ -146,15 +147,12 @@ class GenerationMixin(BackfillMixin):
                 finish = "stop"
                 break
             generated.append(token)
-            if token in self._eos:
-                finish = "eos"
-                break
-            yield text.push(token)
-            if text.stopped:
-                finish = "stop"
-                break
-            if len(generated) >= params.max_new_tokens or pos >= capacity:
-                finish = "length"
+            piece, reason = next_piece(text, token, eos=self._eos, generated=len(generated),
+                                       limit=params.max_new_tokens, full=pos >= capacity)
+            if piece:
+                yield piece
+            if reason is not None:
+                finish = reason
                 break
             all_ids[pos] = token
             with busy():

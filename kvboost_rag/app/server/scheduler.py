@@ -33,7 +33,7 @@ import torch
 
 from kvboost_core import cache_counts
 from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
-from kvboost_core.decode import BadLogits, TextStream, sample
+from kvboost_core.decode import BadLogits, TextStream, next_piece, sample
 from kvboost_rag.aio import thread_setting
 from kvboost_rag.app.server.history import TurnBackfills
 from kvboost_rag.app.server.protocol import APIError
@@ -328,17 +328,11 @@ class Scheduler:
         """Record a generated token; True when the request is finished (and its "done" event sent)."""
         assert r.stream is not None and r.slot is not None
         r.generated.append(token)
-        reason = None
-        if not r.ignore_eos and token in r.rag.engine.eos_token_ids:
-            reason = "eos"
-        else:
-            piece = r.stream.push(token)
-            if piece:
-                r.emit("text", piece)
-            if r.stream.stopped:
-                reason = "stop"
-            elif len(r.generated) >= r.params.max_new_tokens or r.slot.length >= r.slot.capacity:
-                reason = "length"
+        piece, reason = next_piece(r.stream, token, eos=r.rag.engine.eos_token_ids, generated=len(r.generated),
+                                   limit=r.params.max_new_tokens, full=r.slot.length >= r.slot.capacity,
+                                   ignore_eos=r.ignore_eos)
+        if piece:
+            r.emit("text", piece)
         if reason is None:
             r.next_token = token
             return False
