@@ -33,12 +33,16 @@ class PrefillResult:
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    text: str
+    """One generation's output and what it cost: :meth:`KVEngine.generate`'s return value (a stream's
+    ``.result`` once it is exhausted). ``stats`` holds the prefill's counts and timings; read the cache counts
+    through :func:`cache_counts`."""
+
+    text: str  # the generated text, cut at the first stop string
     token_ids: list[int]  # generated ids only
-    prompt_token_ids: list[int]
-    ttft_s: float
-    total_s: float
-    reuse_ratio: float
+    prompt_token_ids: list[int]  # the ids the model read, as a plain tokenizer gives them
+    ttft_s: float  # from the call's start to the first token
+    total_s: float  # from the call's start to the last token
+    reuse_ratio: float  # share of the prompt served from cached KV, exact or approximate
     finish_reason: str  # "stop", "eos", "length"
     stats: dict[str, Any]
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) fp32: the prefill's output
@@ -97,6 +101,8 @@ def cache_counts(stats: Mapping[str, Any] | None) -> CacheCounts:
 
 @dataclass(frozen=True, slots=True)
 class WarmResult:
+    """What :meth:`KVEngine.warm` did: documents computed and stored now, found warm already, and the cost."""
+
     documents: int
     warmed: int  # documents computed now and stored whole
     already_warm: int  # documents whose chunks were all present: cost a lookup
