@@ -106,6 +106,11 @@ def save_cached(engine: Any, cal: Calibration) -> Path | None:
 
 
 def apply(engine: Any, cal: Calibration, source: str) -> None:
+    """Make ``cal``'s settings the engine's repair defaults, for the calls that start after this. A call already
+    running (another thread's generate, a stream not exhausted yet) keeps the settings it started with: it built
+    its RepairSpec once, at its start (:mod:`kvboost_core.call_options`), and reads no repair setting from the
+    config after that. On first use this runs at the end of the ``warm()`` that sampled enough documents, after
+    that warm's own work (which it never changes) and before the warm returns."""
     engine.config = engine.config.with_(**cal.defaults())
     engine.calibration = {"source": source, **cal.to_dict()}
 

@@ -151,3 +151,26 @@ def test_calibrated_setting_meets_its_target_on_stories(stories, cache):
     kls = [compare_logits(eng.full_prefill_logits(eng.tokenize_ids(p)), eng.prefill(
         p, store_prefix=False, reuse_repaired=False).last_logits)["kl"] for p in probes]
     assert sum(kls) / len(kls) == pytest.approx(chosen["mean_kl"], rel=1e-3, abs=1e-6)
+
+
+def test_a_calibration_never_changes_a_call_that_already_started(model_tok, cache):
+    """Calibration applies to calls that start after it (issue 34, item 5): a call builds its RepairSpec once,
+    at its start (kvboost_core.call_options), so a stream created before the swap runs on the old settings
+    throughout, and the next call on the new ones."""
+    from kvboost_core.calibrate import Calibration
+
+    model, tok = model_tok
+    eng = KVEngine(model, tok, chunk_size=16, boundary_window=4, sink_tokens=2, repair="cacheblend",
+                   recompute_ratio=0.3, check_layer=1)
+    eng.warm(DOCS[:3])
+    prompt = [Segment(text=d, cacheable=True) for d in DOCS[:3]] + [Segment(text=" Who repairs bicycles?")]
+    before = eng.generate(prompt, max_new_tokens=3, store_prefix=False)
+    stream = eng.stream(prompt, max_new_tokens=3, store_prefix=False)  # started: its options are built
+    autocalib.apply(eng, Calibration(0.9, 2, True, 0.1, 0.9, ()), "measured")
+    assert (eng.config.recompute_ratio, eng.config.check_layer) == (0.9, 2)
+    text = "".join(stream)
+    assert stream.result is not None and text == before.text
+    assert stream.result.stats["recompute_ratio"] == 0.3
+    assert torch.equal(stream.result.first_logits, before.first_logits)
+    after = eng.generate(prompt, max_new_tokens=3, store_prefix=False)
+    assert after.stats["recompute_ratio"] == 0.9
