@@ -573,6 +573,39 @@ def multiturn_table(result: dict[str, Any]) -> str:
                       *[f"kvboost {n}" for n in names]], rows) + "\n\n" + "\n".join(f"- {x}" for x in same)
 
 
+def chat_turns_table(result: dict[str, Any]) -> str:
+    """#33 item 5: a RAG chat's turns, HF full prefill, llama.cpp's prefix reuse, kvboost in process and served."""
+    from kvboost_rag.app.bench.chat_turns import markdown_table
+
+    skipped = "".join(f" {m} skipped: {why}." for m, why in result.get("skipped", {}).items())
+    added = ", ".join(map(str, result["add_doc_turns"]))
+    head = (f"{result['model']}, {result['conversations']} conversations x {result['turns']} turns (k={result['k']} "
+            f"documents in turn 1, one more in turn {added}), HF's greedy answers of up to {result['max_new_tokens']} "
+            f"tokens in the history, {CPU.replace('1 thread', str(result['threads']) + ' thread')}. Cells: TTFT "
+            "from the call's start, median over conversations (exact share of the prompt, i.e. cached tokens; the "
+            "CPU time of the backfill after that turn), and ratios of those medians." + skipped + "\n\n")
+    return head + markdown_table(result)
+
+
+def chat_turns_line(result: dict[str, Any]) -> str:
+    """README's one line from #33 item 5: follow-up turns in process against HF and llama.cpp, by think time."""
+    pt = [p for p in result["per_turn"] if p["turn"] > 1]
+
+    def span(key: str, field: str) -> str:
+        vals = sorted(p[key][field] for p in pt if p.get(key, {}).get(field))
+        return f"{_fmt_speedup(vals[0])} to {_fmt_speedup(vals[-1])}" if vals else "n/a"  # ratios of medians
+
+    two = next((p for p in pt if p["turn"] == 2), {})
+    t0 = two.get("kvboost_think_0", {}).get("vs_hf")
+    return (f"**Against llama.cpp's prefix reuse** (same GGUF, same token ids, {result['threads']} thread): when the "
+            f"user's think time covers the backfill, {SMOLLM2}'s follow-up turns 2-{result['turns']} start in process "
+            f"from {span('kvboost_think_backfill', 'vs_llamacpp')} than llama.cpp, through the server from "
+            f"{span('server_think_backfill', 'vs_llamacpp')}"
+            + (f"; with no think time turn 2 waits for turn 1's backfill and is {_fmt_speedup(t0)} than full "
+               "prefill" if t0 else "")
+            + " ([chat turns vs llama.cpp](docs/experiments.md#chat-turns-vs-llamacpp)).")
+
+
 TABLES = (
     Table("headline", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), headline_table),
     Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use, optional=("multiturn.json",)),
@@ -598,8 +631,10 @@ TABLES = (
     Table("recheck_stories", ("recheck_stories.json",), recheck_table),
     Table("flops", ("ttft_flops_4k.json",), flops_table),
     Table("multiturn", ("multiturn.json",), multiturn_table),
+    Table("chat_turns", ("chat_turns.json",), chat_turns_table),
+    Table("chat_turns_line", ("chat_turns.json",), chat_turns_line),
 )
-PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png",
+PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",
          "ttft_flops_4k_flops.png")
 
 
