@@ -71,7 +71,7 @@ def cache_dir() -> Path:
 def settings_key(engine: Any) -> str:
     """The model's fingerprint and every setting that changes what calibration measures."""
     c = engine.config
-    shaping = {"fingerprint": engine.fingerprint, "warm_prefix": list(engine._warm_prefix), "select": c.select,
+    shaping = {"fingerprint": engine.fingerprint, "warm_prefix": list(engine.warm_prefix_ids), "select": c.select,
                "chunk_size": c.chunk_size, "boundary_window": c.boundary_window, "kv_bits": c.kv_bits,
                "kv_group_size": c.kv_group_size, "sink_tokens": c.sink_tokens, "overlap_k": c.overlap_k,
                "target": [MAX_KL, MIN_TOP1], "ratios": list(RATIOS)}
@@ -147,7 +147,7 @@ class FirstUse:
 def run(engine: Any, docs: Sequence[Sequence[int]], *, budget_s: float, prompts: Sequence[Any] | None = None,
         max_kl: float = MAX_KL, min_top1: float = MIN_TOP1, save: bool = True) -> Calibration:
     """Calibrate ``engine`` on probe prompts from ``docs`` (or on ``prompts``), apply and cache the result."""
-    probes = list(prompts) if prompts is not None else probe_prompts(docs, engine._warm_prefix)
+    probes = list(prompts) if prompts is not None else probe_prompts(docs, engine.warm_prefix_ids)
     settings = grid(engine.adapter.num_layers, RATIOS, max_check_layer=2)
     cal = calibrate(engine, probes, max_kl=max_kl, min_top1=min_top1, settings=settings, budget_s=budget_s)
     apply(engine, cal, "measured")

@@ -126,6 +126,7 @@ class BackfillResult:
     computed: int  # tokens computed by this job
     seconds: float
     complete: bool  # False: stopped before the end (the worker was closed)
+    cpu_s: float = 0.0  # CPU time of the thread that ran it (the worker's: what the backfill cost the machine)
 
 
 def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], generated: Sequence[int],
@@ -175,16 +176,19 @@ StepFn = Callable[[BackfillJob, int], tuple[int, int]]
 def run_job(job: BackfillJob, run_step: StepFn, *, step_tokens: int = STEP_TOKENS,
             may_continue: Callable[[], bool] = lambda: True) -> BackfillResult:
     """Run ``job`` step by step; ``may_continue()`` is asked before each step (it may wait), False stops it."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     reused = computed = 0
+    cpu = 0.0  # the steps' CPU time only: waiting for an idle moment costs none
     for i, end in enumerate(step_ends(job.chunks, step_tokens)):
         if not may_continue():
-            return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, False)
+            return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, False, cpu)
+        c0 = time.thread_time()
         exact, done = run_step(job, end)
+        cpu += time.thread_time() - c0
         if i == 0:
             reused = exact
         computed += done
-    return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, True)
+    return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, True, cpu)
 
 
 class Backfiller:

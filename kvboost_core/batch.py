@@ -40,6 +40,7 @@ from kvboost_core.adapters import ModelAdapter
 from kvboost_core.backfill import BackfillJob, conversation_job
 from kvboost_core.invariant import row_tiled, rowwise_attention
 from kvboost_core.results import PrefillResult
+from kvboost_core.stages import EngineStages
 
 _HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
 
@@ -61,7 +62,7 @@ class Prefilled:
     to store."""
 
     result: PrefillResult
-    _engine: Any
+    _engine: EngineStages
     _to_store: list
 
     def store_prefix(self) -> None:
@@ -76,7 +77,7 @@ class PrefillTask:
     about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result.
     ``turn``: the prompt's (segments, tokens, chunks) when it is a chat turn (see :meth:`turn_job`)."""
 
-    def __init__(self, engine: Any, job: Any, turn: Any = None) -> None:
+    def __init__(self, engine: EngineStages, job: Any, turn: Any = None) -> None:
         self._engine, self._job, self._turn = engine, job, turn
 
     @property
@@ -90,8 +91,8 @@ class PrefillTask:
         if self._turn is None:
             raise RuntimeError("turn_job: this prefill is not a chat turn (start_prefill without history_tokens)")
         segs, _, chunks = self._turn
-        answer = self._engine._turn_answer(generated, text, turn_end)
-        return conversation_job(segs, chunks, answer, self._engine._spans, canonical=True)
+        answer = self._engine.turn_answer(generated, text, turn_end)
+        return conversation_job(segs, chunks, answer, self._engine.spans, canonical=True)
 
     @property
     def n_prompt(self) -> int:
@@ -106,7 +107,7 @@ class PrefillTask:
 
     def finish(self) -> Prefilled:
         pre = self._job.finish()
-        self._job = _Finished(pre.result.stats.get("prompt_tokens", 0))  # drops the prefill's buffers
+        self._job = _Finished(pre.result.stats.prompt_tokens)  # drops the prefill's buffers
         return Prefilled(pre.result, self._engine, pre.to_store)
 
 
@@ -125,7 +126,7 @@ class _Finished:
         raise RuntimeError("PrefillTask.finish: the prefill is finished already")
 
 
-def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None = None,
+def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool | None = None,
                   store_prefix: bool | None = None, repair: str | None = None, recompute_ratio: float | None = None,
                   select: str | None = None, check_layer: int | None = None,
                   history_tokens: int | None = None) -> PrefillTask:
@@ -144,17 +145,17 @@ def start_prefill(engine: Any, prompt: Any, *, add_special_tokens: bool | None =
     spec = repair_spec(engine.config, engine.adapter.num_layers, repair=repair, recompute_ratio=recompute_ratio,
                        select=select, check_layer=check_layer)
     build = bool(engine.config.store_prefix if store_prefix is None else store_prefix)
-    if history_tokens is None or not engine._chat_canonical():
+    if history_tokens is None or not engine.chat_canonical():
         return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=build))
-    prepared = engine._prompt_chunks(prompt, add_special_tokens)
+    prepared = engine.prompt_chunks(prompt, add_special_tokens)
     if history_tokens > prepared[1]:
         raise ValueError(f"history_tokens ({history_tokens}) is longer than the prompt ({prepared[1]} tokens)")
     job = CanonicalJob(engine, None, spec, None, build_blocks=build,
-                       prepared=engine._split_at(prepared, history_tokens), exact_before=history_tokens)
+                       prepared=engine.split_at(prepared, history_tokens), exact_before=history_tokens)
     return PrefillTask(engine, job, prepared)
 
 
-def prefill(engine: Any, prompt: Any, **kw: Any) -> Prefilled:
+def prefill(engine: EngineStages, prompt: Any, **kw: Any) -> Prefilled:
     """:func:`start_prefill` run to the end at once."""
     return start_prefill(engine, prompt, **kw).finish()
 

@@ -44,7 +44,7 @@ def repair_spec(config: EngineConfig, num_layers: int | None, **overrides: Any) 
     given = {k: v for k, v in overrides.items() if v is not None}
     if "check_layer" in given:
         validate_check_layer(given["check_layer"], num_layers)
-    validate_flag("reuse_repaired", given.get("reuse_repaired", True), allow_none=False)
+    validate_flag("reuse_repaired", overrides.get("reuse_repaired", True), allow_none=False)  # None: not a bool
     c = config
     spec = RepairSpec(repair=c.repair, recompute_ratio=c.recompute_ratio, check_layer=c.check_layer,
                       select=c.select, overlap_k=c.overlap_k, reuse_repaired=True,

@@ -52,6 +52,7 @@ from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult
 from kvboost_core.segments import TokenizedSegment
+from kvboost_core.stages import EngineStages
 from kvboost_core.store.base import KVStore
 
 _CHAIN = (-1,)  # no tokenizer emits -1: the canonical chain's root differs from the engine's prefix chain
@@ -89,7 +90,7 @@ class CanonicalJob:
     split over calls never changes a bit of the result: each head chunk is its own forward either way, which is
     what lets a scheduler interleave a long cold prompt's prefill with decode steps (chunked prefill)."""
 
-    def __init__(self, engine: Any, prompt: Any, spec: RepairSpec, add_special_tokens: bool | None,
+    def __init__(self, engine: EngineStages, prompt: Any, spec: RepairSpec, add_special_tokens: bool | None,
                  *, build_blocks: bool, prepared: tuple[list[TokenizedSegment], int, list[Chunk]] | None = None,
                  exact_before: int = 0, capacity: int = 0, head_end: int | None = None) -> None:
         """``prepared``: the prompt's (segments, tokens, chunks), tokenized already. ``exact_before``: no
@@ -100,7 +101,7 @@ class CanonicalJob:
         a = engine.adapter
         if a.no_reuse or not a.layerwise:
             raise ValueError("canonical prefill needs a layer-wise model adapter (a Llama-like RoPE family)")
-        segs, total, chunks = prepared or engine._prompt_chunks(prompt, add_special_tokens)
+        segs, total, chunks = prepared or engine.prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
         cfg = engine.config
         view = cast(KVStore, _ContentOnly(engine.store))  # lookup reads get() and children() only
@@ -108,7 +109,7 @@ class CanonicalJob:
         if exact_before > 0:  # the history's documents are not re-placed: not looked up by content
             segs = [replace(s, cacheable=False) if s.start < exact_before else s for s in segs]
         plan = lookup(view, segs, chunks, namespace=cfg.namespace, fingerprint=engine.fingerprint,
-                      spans_of=engine._spans, sink_tokens=cfg.sink_tokens, allow_approx=a.rope.rerotatable,
+                      spans_of=engine.spans, sink_tokens=cfg.sink_tokens, allow_approx=a.rope.rerotatable,
                       allow_repaired=False, precision=precision)
         ids = plan.token_ids
         first = min(next((i for i, s in enumerate(plan.status) if s == APPROX), total - 1), total - 1)
@@ -127,7 +128,7 @@ class CanonicalJob:
             plan.placements.append(Placement(block, 0, ch.start, ch.end - ch.start, exact=True))
             hit_end, hits = ch.end, hits + 1
         t_lookup = time.perf_counter()
-        self._cache = engine._new_cache(max(total, capacity))
+        self._cache = engine.new_cache(max(total, capacity))
         place(plan, self._cache.keys, self._cache.values, a.inner.rotary_emb)
         t_place = time.perf_counter()
         self._engine, self._spec, self._build = engine, spec, build_blocks
@@ -135,7 +136,7 @@ class CanonicalJob:
         self._todo = list(zip(head, chain))[hits:]  # head chunks still to compute, in order
         self._ids_t = torch.tensor(ids, device=a.device)
         self._to_store: list[tuple[CacheKey, Any]] = []
-        self._times = {"tokenize_s": t_tok - t0, "lookup_s": t_lookup - t_tok, "assemble_s": t_place - t_lookup}
+        self._times = (t_tok - t0, t_lookup - t_tok, t_place - t_lookup)  # tokenize, lookup, assemble
         self._forward_s = 0.0
 
     @property
@@ -165,7 +166,7 @@ class CanonicalJob:
                 run_forward(a, self._ids_t, self._cache, Schedule(base=pos, candidates=pos[:0]), ch.end)
                 spent += ch.end - ch.start
                 if self._build or cfg.kv_bits is not None:
-                    block = engine._block(self._cache, self._ids[ch.start:ch.end], ch.start, kind="prefix",
+                    block = engine.stored_block(self._cache, self._ids[ch.start:ch.end], ch.start, kind="prefix",
                                           parent=par, digest=dig)
                     if cfg.kv_bits is not None:  # serve it as a stored chunk would be served: quantized
                         one = Plan(token_ids=self._ids, chunks=[],
@@ -204,19 +205,19 @@ class CanonicalJob:
                           exact_len=hit_end, hits_exact=hit_end, hits_content=plan.hits_content,
                           misses=total - hit_end - plan.hits_content)
         per_layer = [n + (p - hit_end) for n in trace.tokens_per_layer]
-        stats = engine._prefill_stats(stats_plan, final, spec, per_layer)
+        stats = engine.prefill_stats(stats_plan, final, spec, per_layer)
         # prefill_s: compute time (a chunked prefill's wall time also holds the decode steps between chunks)
-        stats.update(check_kv_tokens=trace.kv_only_tokens, forward_s=self._forward_s,
-                     prefill_s=sum(self._times.values()) + self._forward_s, canonical_prefix_tokens=p,
-                     **self._times)
-        engine._counters.add(hits_exact=hit_end, hits_repaired=0, hits_content=plan.hits_content,
+        stats.check_kv_tokens, stats.canonical_prefix_tokens = trace.kv_only_tokens, p
+        stats.tokenize_s, stats.lookup_s, stats.assemble_s = self._times
+        stats.forward_s, stats.prefill_s = self._forward_s, sum(self._times) + self._forward_s
+        engine.counters.add(hits_exact=hit_end, hits_repaired=0, hits_content=plan.hits_content,
                              misses=stats_plan.misses, prefills=1)
         result = PrefillResult(token_ids=list(ids), last_logits=logits,
                                cache=AssembledCache(self._cache.keys, self._cache.values, total), stats=stats)
         return CanonicalPrefill(result, p, hit_end, self._to_store)
 
 
-def canonical_prefill(engine: Any, prompt: Any, spec: RepairSpec, add_special_tokens: bool | None,
+def canonical_prefill(engine: EngineStages, prompt: Any, spec: RepairSpec, add_special_tokens: bool | None,
                       *, build_blocks: bool) -> CanonicalPrefill:
     """``engine``'s prefill of ``prompt`` with a history-independent plan (see the module docstring), in one go.
     ``build_blocks``: keep the computed canonical chunks' blocks for storing."""

@@ -61,6 +61,11 @@ class EngineBase:
         return self._warm_prefix
 
     @property
+    def counters(self) -> Counters:
+        """The engine's running counts (hits, misses, warmed and backfilled tokens): what ``stats()`` reports."""
+        return self._counters
+
+    @property
     def tokenizer_lock(self) -> threading.Lock:
         """Hold this around direct calls to ``self.tokenizer`` from other threads."""
         return self._tok_lock
@@ -70,7 +75,8 @@ class EngineBase:
         with self._tok_lock:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+    def spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Chunk boundaries of a token sequence, by the config's chunk size and boundary rule."""
         return chunk_spans(ids, self.config.chunk_size, self.config.boundary_window, self._is_boundary)
 
     def _check_context(self, n_prompt: int) -> None:

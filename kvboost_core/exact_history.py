@@ -44,7 +44,7 @@ class BackfillMixin(PrefillMixin):
         follow_up = self._follow_ups.observe(prompt_ids) if mode == "auto" else True
         return follow_up and bool(self.config.store_prefix if store_prefix is None else store_prefix)
 
-    def _chat_canonical(self) -> bool:
+    def chat_canonical(self) -> bool:
         """Can chat calls take the canonical path? A layer-wise model without a reader or block adapter (their
         forwards are not the canonical one); elsewhere a chat call is an ordinary one, backfilled all the same."""
         a = self.adapter
@@ -55,7 +55,7 @@ class BackfillMixin(PrefillMixin):
         return bool(self.config.backfill) and not self.adapter.no_reuse and bool(
             self.config.store_prefix if store_prefix is None else store_prefix)
 
-    def _split_at(self, prepared: Prepared, history: int) -> Prepared:
+    def split_at(self, prepared: Prepared, history: int) -> Prepared:
         """The prompt's segments and chunks with a cut at ``history``: the history's last chunk ends where the
         history ends, as the previous turn's backfill (the history alone, chunked the same way) stored it."""
         segs, total, _ = prepared
@@ -67,9 +67,9 @@ class BackfillMixin(PrefillMixin):
                         replace(seg, token_ids=seg.token_ids[k:], start=history)]
             else:
                 out.append(seg)
-        return (out, total, plan_chunks(out, self._spans)) if len(out) > len(segs) else prepared
+        return (out, total, plan_chunks(out, self.spans)) if len(out) > len(segs) else prepared
 
-    def _turn_answer(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> list[int]:
+    def turn_answer(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> list[int]:
         """The answer as the next turn's history holds it. With ``turn_end`` (what the chat template writes after
         an assistant message) the template renders the answer's text: its ids re-encoded (a model may end on a
         token that decodes to a partial character, which the text holds as U+FFFD), then ``turn_end``. Without
@@ -83,14 +83,14 @@ class BackfillMixin(PrefillMixin):
                       store_prefix: bool | None) -> tuple[PrefillResult, ScatterCache, list[tuple[Any, Any]]]:
         """A chat call's prefill (the module docstring's rule): (result, cache with room for ``n_new`` more
         tokens, the computed canonical chunks to store)."""
-        prepared = self._split_at(prepared, history)
+        prepared = self.split_at(prepared, history)
         total = prepared[1]
         ctx = self.adapter.max_context or (total + n_new)
         enabled = bool(self.config.store_prefix if store_prefix is None else store_prefix)
         job = CanonicalJob(self, None, spec, None, build_blocks=enabled, prepared=prepared, exact_before=history,
                            capacity=min(total + n_new, ctx))
         done = job.finish()
-        done.result.stats.update(reader=False, chat_history_tokens=history)
+        done.result.stats.reader, done.result.stats.chat_history_tokens = False, history
         return done.result, job.cache, done.to_store
 
     def _backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
@@ -136,16 +136,21 @@ class BackfillMixin(PrefillMixin):
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
         gen = list(generated)
         check_vocab(gen, self._vocab, "generated")
-        segs, total, chunks = self._prompt_chunks(prompt, add_special_tokens)
+        segs, total, chunks = self.prompt_chunks(prompt, add_special_tokens)
         self._check_context(total + len(gen))
-        canonical = chat and self._chat_canonical()
-        return run_job(conversation_job(segs, chunks, gen, self._spans, canonical=canonical), self._backfill_step)
+        canonical = chat and self.chat_canonical()
+        return run_job(conversation_job(segs, chunks, gen, self.spans, canonical=canonical), self._backfill_step)
 
     @property
     def backfill_results(self) -> tuple[BackfillResult, ...]:
         """The latest background backfill jobs' results (up to 64, oldest first): tokens found stored and
         computed, seconds, whether the job finished. For benchmarks and monitoring."""
         return tuple(self._backfill.results)
+
+    def close_backfill(self, timeout: float | None = None) -> None:
+        """Stop the background backfill: pending jobs are dropped and the worker ends after its current step
+        (waited for up to ``timeout``). Later chat calls still read any history stored, but queue no backfill."""
+        self._backfill.close(timeout)
 
     def wait_backfill(self, timeout: float | None = None) -> bool:
         """Block until the background backfill jobs submitted so far are done; False on timeout."""

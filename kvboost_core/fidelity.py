@@ -196,7 +196,7 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
             total = s["prompt_tokens"]
             report.rows.append(PromptFidelity(
                 prompt=i, repair=repair, max_abs_diff=cmp["max_abs_diff"], kl=cmp["kl"],
-                top1_agree=cmp["top1_agree"], greedy_match=greedy_match(res.token_ids, ref_tokens, engine._eos),
+                top1_agree=cmp["top1_agree"], greedy_match=greedy_match(res.token_ids, ref_tokens, engine.eos_token_ids),
                 reuse_ratio=s["reuse_ratio"], recomputed_share=s["recomputed"] / total,
                 ttft_ratio=res.ttft_s / max(ref_ttft, 1e-9),
                 base_kl=None if base_logits is None else kl_divergence(base_logits, pre.last_logits),
@@ -212,5 +212,5 @@ def _block_reference(engine: Any, prompt: Any, max_new_tokens: int) -> tuple[tor
     segs = engine.tokenize(prompt)
     ids = [t for seg in segs for t in seg.token_ids]
     logits, tokens = block_greedy(engine.model, ids, block_runs(segs, engine.config.sink_tokens),
-                                  list(engine._warm_prefix), max_new_tokens, set())
+                                  list(engine.warm_prefix_ids), max_new_tokens, set())
     return logits, tokens

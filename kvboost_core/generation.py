@@ -110,12 +110,12 @@ class GenerationMixin(BackfillMixin):
         history_tokens, turn_end = opts.history_tokens, opts.turn_end
         generated: list[int] = []
         with busy():
-            prepared = self._prompt_chunks(prompt, add_special_tokens)
+            prepared = self.prompt_chunks(prompt, add_special_tokens)
             chat = history_tokens is not None
             if history_tokens is not None and history_tokens > prepared[1]:
                 raise ValueError(f"history_tokens ({history_tokens}) is longer than the prompt ({prepared[1]} tokens)")
             check_vocab(list(turn_end), self._vocab, "turn_end")
-            canonical = chat and self._chat_canonical()
+            canonical = chat and self.chat_canonical()
             if canonical:
                 pre, cache, to_store = self._chat_prefill(prepared, spec, params.max_new_tokens, history_tokens or 0,
                                                           store_prefix)
@@ -164,14 +164,14 @@ class GenerationMixin(BackfillMixin):
             pos += 1
         yield text.flush()
         if holder is not None:
-            stats = dict(pre.stats, ttft_s=ttft, finish_reason=finish)
+            stats = pre.stats.as_dict() | {"ttft_s": ttft, "finish_reason": finish}
             holder["result"] = GenerationResult(
                 text=text.text, token_ids=generated, prompt_token_ids=pre.token_ids, ttft_s=ttft,
-                total_s=time.perf_counter() - t0, reuse_ratio=pre.stats["reuse_ratio"], finish_reason=finish,
+                total_s=time.perf_counter() - t0, reuse_ratio=pre.stats.reuse_ratio, finish_reason=finish,
                 stats=stats, first_logits=pre.last_logits)
         if chat and self._chat_backfills(store_prefix):  # the next turn's history: prompt, answer, turn end
-            answer = self._turn_answer(generated, text.text, turn_end)
-            self._backfill.submit(conversation_job(prepared[0], prepared[2], answer, self._spans,
+            answer = self.turn_answer(generated, text.text, turn_end)
+            self._backfill.submit(conversation_job(prepared[0], prepared[2], answer, self.spans,
                                                    canonical=canonical))
         elif not chat and self._backfills(store_prefix, pre.token_ids):
-            self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self._spans))
+            self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self.spans))

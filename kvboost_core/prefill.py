@@ -31,7 +31,7 @@ from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import kv_precision
 from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.repair import RepairSpec, build_schedule
-from kvboost_core.results import AssembledCache, PrefillResult
+from kvboost_core.results import AssembledCache, PrefillResult, PrefillStats
 from kvboost_core.segments import TokenizedSegment
 from kvboost_core.store import DensePayload, KVBlock
 
@@ -39,7 +39,7 @@ from kvboost_core.store import DensePayload, KVBlock
 class PrefillMixin(EngineBase):
     """``prefill()`` and the steps it shares with warming and generation (cache buffers, stored blocks)."""
 
-    def _new_cache(self, capacity: int) -> ScatterCache:
+    def new_cache(self, capacity: int) -> ScatterCache:
         a = self.adapter
         shape = (1, a.num_kv_heads, capacity, a.head_dim)
         if a.no_reuse:  # HF's own cache holds the KV; a zero-stride view keeps the capacity without the memory
@@ -50,7 +50,7 @@ class PrefillMixin(EngineBase):
         values = [torch.empty(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)]
         return ScatterCache(keys, values)
 
-    def _block(self, cache: ScatterCache | AssembledCache, ids: Sequence[int], start: int, *, kind: str,
+    def stored_block(self, cache: ScatterCache | AssembledCache, ids: Sequence[int], start: int, *, kind: str,
                parent: Any, digest: bytes = b"") -> KVBlock:
         end = start + len(ids)
         k = torch.stack([kb[0, :, start:end] for kb in cache.keys]).clone()  # (L, H, n, D)
@@ -65,7 +65,7 @@ class PrefillMixin(EngineBase):
         return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
                        parent=parent, context_digest=digest)
 
-    def _prompt_chunks(self, prompt: Any, add_special_tokens: bool | None
+    def prompt_chunks(self, prompt: Any, add_special_tokens: bool | None
                        ) -> tuple[list[TokenizedSegment], int, list[Any]]:
         """The prompt's segments, token count and chunks; refuses an empty prompt or one over the context."""
         segs = self.tokenize(prompt, add_special_tokens)
@@ -73,12 +73,12 @@ class PrefillMixin(EngineBase):
         if total == 0:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
         self._check_context(total)
-        return segs, total, plan_chunks(segs, self._spans)
+        return segs, total, plan_chunks(segs, self.spans)
 
     def _prefill(self, prompt: Any, spec: RepairSpec, n_new: int, add_special_tokens: bool | None,
                  t0: float, prepared: tuple[list[TokenizedSegment], int, list[Any]] | None = None,
                  count: bool = True) -> tuple[PrefillResult, Plan, ScatterCache]:
-        segs, total, chunks = prepared or self._prompt_chunks(prompt, add_special_tokens)
+        segs, total, chunks = prepared or self.prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
         # Repaired (approximate) prefixes are served only where this engine stores them: never by default.
         allow_repaired = spec.repair != "full" and spec.reuse_repaired and self.config.store_repaired
@@ -87,12 +87,12 @@ class PrefillMixin(EngineBase):
                         misses=total)
         else:
             plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
-                          spans_of=self._spans, sink_tokens=self.config.sink_tokens,
+                          spans_of=self.spans, sink_tokens=self.config.sink_tokens,
                           allow_approx=self.adapter.rope.rerotatable, allow_repaired=allow_repaired,
                           precision=kv_precision(self.config.kv_bits, self.config.kv_group_size))
         t_lookup = time.perf_counter()
         ctx = self.adapter.max_context or (total + n_new)
-        cache = self._new_cache(max(total, min(total + n_new, ctx)))
+        cache = self.new_cache(max(total, min(total + n_new, ctx)))
         a = self.adapter
         place(plan, cache.keys, cache.values, a.inner.rotary_emb if a.layerwise else None)
         t_place = time.perf_counter()
@@ -112,9 +112,10 @@ class PrefillMixin(EngineBase):
             final = torch.arange(reused, total)
             per_layer, kv_only = [total - reused] * a.num_layers, 0
         t_fwd = time.perf_counter()
-        stats = self._prefill_stats(plan, final, spec, per_layer)
-        stats.update(reader=cache.gate_from is not None, check_kv_tokens=kv_only, tokenize_s=t_tok - t0, lookup_s=t_lookup - t_tok,
-                     assemble_s=t_place - t_lookup, forward_s=t_fwd - t_place, prefill_s=t_fwd - t0)
+        stats = self.prefill_stats(plan, final, spec, per_layer)
+        stats.reader, stats.check_kv_tokens = cache.gate_from is not None, kv_only
+        stats.tokenize_s, stats.lookup_s, stats.assemble_s = t_tok - t0, t_lookup - t_tok, t_place - t_lookup
+        stats.forward_s, stats.prefill_s = t_fwd - t_place, t_fwd - t0
         if count:  # a backfill step is not a request: stats() counts it apart
             self._counters.add(hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
                                hits_content=plan.hits_content, misses=plan.misses, prefills=1)
@@ -135,8 +136,8 @@ class PrefillMixin(EngineBase):
             return None  # CacheBlend keeps every candidate: nothing approximate is read
         return approx[-1] + 1
 
-    def _prefill_stats(self, plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]
-                       ) -> dict[str, Any]:
+    def prefill_stats(self, plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]
+                      ) -> PrefillStats:
         status = torch.tensor(plan.status, dtype=torch.int8)
         in_final = torch.zeros(len(plan.status), dtype=torch.bool)
         in_final[final.cpu()] = True
@@ -150,14 +151,13 @@ class PrefillMixin(EngineBase):
         # (kvboost_core.block_prefill); with any recompute it is neither that nor a full prefill: approximate.
         reused_block = reused_approx if self.block is not None and spec.repair == "none" else 0
         reused_approx -= reused_block
-        return {"prompt_tokens": total, "reused_exact": reused_exact, "reused_block": reused_block,
-                "reused_approx": reused_approx, "reused_repaired": reused_repaired, "recomputed": recomputed,
-                "computed": computed, "reuse_ratio": (reused_exact + reused_block + reused_approx + reused_repaired)
-                / total, "repair": spec.repair,
-                "recompute_ratio": spec.recompute_ratio, "select": spec.select, "tokens_per_layer": per_layer,
-                "recheck_layer": spec.recheck_layer,
-                "hits_exact": plan.hits_exact, "hits_repaired": plan.hits_repaired,
-                "hits_content": plan.hits_content, "misses": plan.misses}
+        return PrefillStats(
+            prompt_tokens=total, reused_exact=reused_exact, reused_block=reused_block, reused_approx=reused_approx,
+            reused_repaired=reused_repaired, recomputed=recomputed, computed=computed,
+            reuse_ratio=(reused_exact + reused_block + reused_approx + reused_repaired) / total, repair=spec.repair,
+            recompute_ratio=spec.recompute_ratio, select=spec.select, recheck_layer=spec.recheck_layer,
+            tokens_per_layer=per_layer, hits_exact=plan.hits_exact, hits_repaired=plan.hits_repaired,
+            hits_content=plan.hits_content, misses=plan.misses)
 
     def _store_prefix(self, plan: Plan, cache: ScatterCache, spec: RepairSpec, enabled: bool | None) -> None:
         if not (self.config.store_prefix if enabled is None else enabled) or self.adapter.no_reuse:
@@ -177,7 +177,7 @@ class PrefillMixin(EngineBase):
             kind = "prefix" if ch.end <= frontier else "repaired"
             if kind == "repaired" and not self.config.store_repaired:
                 break
-            block = self._block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind=kind, parent=parent,
+            block = self.stored_block(cache, plan.token_ids[ch.start:ch.end], ch.start, kind=kind, parent=parent,
                                 digest=digest)
             self.store.put(key, block)
 

@@ -25,6 +25,9 @@ from kvboost_core.forward import Schedule, Scorer
 
 @dataclass(frozen=True, slots=True)
 class RepairSpec:
+    """One call's repair settings, built once at the engine's edge (:func:`kvboost_core.call_options.repair_spec`:
+    the config's, with the call's overrides) and read by every stage below it."""
+
     repair: str
     recompute_ratio: float
     check_layer: int

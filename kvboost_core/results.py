@@ -23,12 +23,76 @@ class AssembledCache:
         return self.keys[i][:, :, : self.length], self.values[i][:, :, : self.length]
 
 
+@dataclass(slots=True)
+class PrefillStats:
+    """What one prefill reused, recomputed and computed, and what it took: the engine's typed record.
+
+    The counts partition the prompt (``prompt_tokens`` = reused_* + recomputed + computed); read what a surface
+    reports as "cached" through :func:`cache_counts`, never by summing these yourself. It also reads as a
+    mapping (``stats["reused_exact"]``, ``dict(stats)``): the flat view the RAG layer and JSON reports extend."""
+
+    prompt_tokens: int
+    reused_exact: int  # served from an exact prefix entry
+    reused_block: int  # re-placed documents that are a block adapter's own prefill (exact for that model)
+    reused_approx: int  # re-placed documents kept without recompute: approximate
+    reused_repaired: int  # an earlier repaired prefill's stored KV: approximate
+    recomputed: int  # re-placed tokens the repair computed again
+    computed: int  # tokens no cache entry held
+    reuse_ratio: float  # (reused_exact + reused_block + reused_approx + reused_repaired) / prompt_tokens
+    repair: str
+    recompute_ratio: float
+    select: str
+    recheck_layer: int | None
+    tokens_per_layer: list[int]  # tokens run through each layer
+    hits_exact: int  # chunks found, per kind
+    hits_repaired: int
+    hits_content: int
+    misses: int
+    reader: bool = False  # a reader adapter gated the forward
+    check_kv_tokens: int = 0  # tokens whose K/V the check layer computed for scoring only
+    tokenize_s: float = 0.0
+    lookup_s: float = 0.0
+    assemble_s: float = 0.0
+    forward_s: float = 0.0
+    prefill_s: float = 0.0  # compute time of the prefill (the sum of the stages)
+    canonical_prefix_tokens: int | None = None  # a canonical prefill's cut (kvboost_core.canonical)
+    chat_history_tokens: int | None = None  # a chat call's history (kvboost_core.exact_history)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat view: every field, None ones left out (a plain prefill has no canonical cut)."""
+        return {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}  # type: ignore[attr-defined]
+
+    # a read-only mapping view, so `stats["reused_exact"]`, `stats.get(...)` and `dict(stats)` keep working
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__slots__ or getattr(self, key) is None:  # type: ignore[attr-defined]
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+    def keys(self) -> list[str]:
+        return list(self.as_dict())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.as_dict().items())
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
+    """:meth:`KVEngine.prefill`'s output: the prompt's ids, the next-token logits, the assembled KV and what it
+    cost (:class:`PrefillStats`)."""
+
     token_ids: list[int]
     last_logits: torch.Tensor  # (vocab,) fp32
     cache: AssembledCache
-    stats: dict[str, Any]
+    stats: PrefillStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +149,7 @@ class CacheCounts:
         return (self.cached + self.approximate) / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def cache_counts(stats: Mapping[str, Any] | None) -> CacheCounts:
+def cache_counts(stats: Mapping[str, Any] | PrefillStats | None) -> CacheCounts:
     """:class:`CacheCounts` of one prefill, from the engine's stats (``PrefillResult.stats``,
     ``GenerationResult.stats``); missing keys count 0."""
     s = stats or {}

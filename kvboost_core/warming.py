@@ -35,7 +35,7 @@ class WarmMixin(PrefillMixin):
             doc_ids.append(ids)
             if not ids or self.adapter.no_reuse:
                 continue
-            spans = self._spans(ids)
+            spans = self.spans(ids)
             prec = kv_precision(self.config.kv_bits, self.config.kv_group_size)
             keys = [content_key(self.config.namespace, self.fingerprint, ids[a:b], precision=prec) for a, b in spans]
             if all(self._holds_content(k, ids[a:b]) for k, (a, b) in zip(keys, spans)):
@@ -50,13 +50,13 @@ class WarmMixin(PrefillMixin):
             prefix = list(self._warm_prefix)
             full = prefix + ids
             self._check_context(len(full))
-            cache = self._new_cache(len(full))
+            cache = self.new_cache(len(full))
             ids_t = torch.tensor(full, device=self.adapter.device)
             positions = torch.arange(len(full), device=ids_t.device)  # the lead-in is computed, not stored
             run_forward(self.adapter, ids_t, cache, Schedule(base=positions, candidates=positions[:0]), len(full))
             stored_all = True
             for (a, b), key in zip(spans, keys):
-                block = self._block(cache, ids[a:b], len(prefix) + a, kind="content", parent=None)
+                block = self.stored_block(cache, ids[a:b], len(prefix) + a, kind="content", parent=None)
                 if self.store.put(key, block):
                     nbytes += block.nbytes
                     chunks += 1

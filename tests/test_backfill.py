@@ -118,8 +118,8 @@ def test_backfill_false_never_and_steps_resume_from_stored_prefix(tiny_llama, to
     eng.generate(_turn2(eng, first.token_ids), max_new_tokens=4)  # a follow-up: still no backfill
     assert eng.stats()["backfill_tokens"] == 0 and eng.stats()["backfill_pending"] == 0
     segs = eng.tokenize(_turn1(eng))
-    chunks = [Chunk(s.start + a, s.start + b, i) for i, s in enumerate(segs) for a, b in eng._spans(s.token_ids)]
-    job = conversation_job(segs, chunks, [5, 6, 7], eng._spans)
+    chunks = [Chunk(s.start + a, s.start + b, i) for i, s in enumerate(segs) for a, b in eng.spans(s.token_ids)]
+    job = conversation_job(segs, chunks, [5, 6, 7], eng.spans)
     res = run_job(job, eng._backfill_step, step_tokens=20)  # several steps: each resumes from the last one
     assert res.computed + res.reused_exact == res.tokens
     again = run_job(job, eng._backfill_step, step_tokens=20)

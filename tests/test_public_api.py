@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ("kvboost_rag", "integrations", "benchmarks", "examples")
 ENGINE_NAMES = {"engine", "eng", "kv_engine"}  # how code outside kvboost_core names a KVEngine
 MAX_LINES = 420
+# the modules KVEngine is assembled from: the only ones that read its private state
+ENGINE_MODULES = ("engine_base", "prefill", "warming", "generation", "exact_history", "engine")
 # module -> (cap, why). A cap is the module's size when it was exempted: it may shrink, never grow.
 EXEMPT: dict[str, tuple[int, str]] = {}  # none today (store/disk.py and redis_tier.py were split)
 
@@ -24,7 +26,7 @@ EXEMPT: dict[str, tuple[int, str]] = {}  # none today (store/disk.py and redis_t
 def _engine_private_names() -> set[str]:
     """Private attributes and methods KVEngine defines, in any of the modules it is assembled from."""
     names = set()
-    for mod in ("engine_base", "prefill", "warming", "generation", "engine"):
+    for mod in ENGINE_MODULES:
         for node in ast.walk(ast.parse((ROOT / "kvboost_core" / f"{mod}.py").read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
                 attr = node.attr
@@ -66,6 +68,16 @@ def test_nothing_outside_kvboost_core_reads_an_engine_private():
     bad = [f"{p.relative_to(ROOT)}:{line}: {expr}" for p in _outside_files()
            for line, expr in private_engine_uses(p.read_text(), private)]
     assert bad == [], "use KVEngine's public API (add a read-only property if one is missing):\n" + "\n".join(bad)
+
+
+def test_kvboost_core_drives_the_engine_through_its_declared_stages():
+    """Inside kvboost_core too, only the engine's own modules read its private state: canonical, batch,
+    fidelity, autocalib and the rest use the public names kvboost_core.stages.EngineStages declares."""
+    private = _engine_private_names()
+    files = [p for p in sorted((ROOT / "kvboost_core").rglob("*.py")) if p.stem not in ENGINE_MODULES]
+    bad = [f"{p.relative_to(ROOT)}:{line}: {expr}" for p in files
+           for line, expr in private_engine_uses(p.read_text(), private)]
+    assert len(files) > 30 and bad == [], "use kvboost_core.stages.EngineStages:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize(("source", "expected"), [

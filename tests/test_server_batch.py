@@ -44,7 +44,7 @@ def _batched(engine: KVEngine, prompts, n_new: list[int], arrivals: list[int], m
         finished = []
         for slot, (i, tok) in live.items():
             outs[i].append(tok)
-            if tok in engine._eos or len(outs[i]) >= n_new[i]:
+            if tok in engine.eos_token_ids or len(outs[i]) >= n_new[i]:
                 finished.append(slot)
         for slot in finished:
             del live[slot]

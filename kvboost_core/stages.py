@@ -1,0 +1,90 @@
+"""The engine's stages as the modules around it see them: one declared, type-checked interface.
+
+:class:`kvboost_core.engine.KVEngine` is assembled from one module per stage (:mod:`~kvboost_core.engine_base`:
+state and tokenization, :mod:`~kvboost_core.prefill`: chunk, plan, place, forward, stats and stored blocks,
+:mod:`~kvboost_core.warming`, :mod:`~kvboost_core.generation`, :mod:`~kvboost_core.exact_history`). The serving
+and tuning modules that drive those stages from outside (:mod:`~kvboost_core.canonical`,
+:mod:`~kvboost_core.batch`, :mod:`~kvboost_core.fidelity`, :mod:`~kvboost_core.autocalib`) take the engine as an
+:class:`EngineStages` and read nothing else of it: no private attribute (``tests/test_public_api.py`` checks the
+source), so what they depend on is this list.
+
+Data flows one way through it: text -> :meth:`~EngineStages.prompt_chunks` (tokens, segments, chunks) -> a plan
+(:func:`kvboost_core.assembly.lookup` over :attr:`~EngineStages.store`) -> :meth:`~EngineStages.new_cache` +
+:func:`kvboost_core.assembly.place` -> forward -> :meth:`~EngineStages.prefill_stats` and
+:meth:`~EngineStages.stored_block` for what is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvboost_core.adapters import ModelAdapter, ScatterCache
+    from kvboost_core.assembly import Chunk, Plan
+    from kvboost_core.config import EngineConfig
+    from kvboost_core.keys import Fingerprint
+    from kvboost_core.repair import RepairSpec
+    from kvboost_core.results import AssembledCache, Counters, PrefillStats
+    from kvboost_core.segments import TokenizedSegment
+    from kvboost_core.store import KVBlock, KVStore
+
+# A prompt ready for planning: its segments, its token count and its chunks.
+Prepared = tuple[list["TokenizedSegment"], int, list["Chunk"]]
+
+
+class EngineStages(Protocol):
+    """What the engine offers the modules that drive its stages (see the module docstring)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def adapter(self) -> ModelAdapter: ...
+    @property
+    def store(self) -> KVStore: ...
+    @property
+    def fingerprint(self) -> Fingerprint: ...  # keys the stored KV (a block adapter included)
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def warm_prefix_ids(self) -> tuple[int, ...]: ...
+
+    def tokenize_ids(self, prompt: Any, add_special_tokens: bool | None = None) -> list[int]: ...
+
+    def prompt_chunks(self, prompt: Any, add_special_tokens: bool | None) -> Prepared:
+        """Tokenize and chunk a prompt; refuses an empty one or one over the context."""
+        ...
+
+    def spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Chunk boundaries of a token sequence."""
+        ...
+
+    def split_at(self, prepared: Prepared, history: int) -> Prepared:
+        """The prompt re-chunked so a chunk ends where a chat's history ends."""
+        ...
+
+    def chat_canonical(self) -> bool:
+        """Can chat calls take the canonical path (a layer-wise model, no reader or block adapter)?"""
+        ...
+
+    def turn_answer(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> list[int]:
+        """A chat answer's ids as the next turn's history holds them."""
+        ...
+
+    def new_cache(self, capacity: int) -> ScatterCache:
+        """Empty per-layer KV buffers for ``capacity`` positions."""
+        ...
+
+    def stored_block(self, cache: ScatterCache | AssembledCache, ids: Sequence[int], start: int, *, kind: str,
+                     parent: Any, digest: bytes = b"") -> KVBlock:
+        """Positions ``[start, start + len(ids))`` of ``cache`` as a store entry (quantized per the config)."""
+        ...
+
+    def prefill_stats(self, plan: Plan, final: torch.Tensor, spec: RepairSpec, per_layer: list[int]
+                      ) -> PrefillStats:
+        """What a prefill reused, recomputed and computed, by the one definition of each count."""
+        ...
