@@ -5,22 +5,11 @@ client, streamed, TTFT to the first content chunk; the server's chat backfill aw
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _proc_cpu(pid: int) -> float:
@@ -31,38 +20,11 @@ def _proc_cpu(pid: int) -> float:
 @contextmanager
 def serve(model: str, threads: int, start_timeout: float = 600.0) -> Iterator[tuple[str, int]]:
     """``kvboost-rag serve`` on a free loopback port: (base URL, PID); stopped by its PID on exit."""
-    import httpx
+    from kvboost_rag.app.server.launch import launched
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvboost_rag.app.cli", "serve", "--model", model, "--threads", str(threads),
-           "--port", str(port)]
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"kvboost-rag serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvboost-rag serve did not answer /health within {start_timeout:.0f} s")
-            time.sleep(0.5)
+    with launched(["--model", model, "--threads", str(threads)], start_timeout=start_timeout,
+                  stop_timeout=30) as (url, proc):
         yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        log.close()
 
 
 def _backfill_health(url: str) -> dict[str, Any]:

@@ -38,7 +38,9 @@ from typing import Any
 
 from kvboost_rag.app.bench.chat_server import serve, server_conversation
 from kvboost_rag.app.bench.flops import speedup
+from kvboost_rag.app.bench.prefix import common_prefix
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM
+from kvboost_rag.app.bench.turn_plot import finish_turn_figure
 
 METHODS = ("hf", "llamacpp", "kvboost", "server")
 THINK = ("0", "backfill")
@@ -86,15 +88,6 @@ def user_turn(docs: list[str], question: str) -> str:
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def llamacpp_skip_reason(model: str) -> str | None:
@@ -281,20 +274,9 @@ def plot(result: dict[str, Any], path: str) -> None:
             line, = ax.plot(turns, [p.get(key, {}).get("ttft_s") for p in pt], marker="o", label=label)
             bx.plot(turns, [p.get(key, {}).get("exact") for p in pt], marker="o", color=line.get_color(),
                     label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT, median over conversations (s)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    bx.set_xlabel("turn")
-    bx.set_ylabel("share of the prompt reused exactly")
-    bx.set_ylim(0, 1.02)
-    bx.grid(True, alpha=0.3)
-    bx.legend(fontsize=7)
-    fig.suptitle(f"RAG chat turns vs llama.cpp: {result['model']}, {result['threads']} thread{'s' if result['threads'] > 1 else ''}")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    finish_turn_figure(fig, ax, bx, xlabel="turn", share_label="share of the prompt reused exactly",
+                       title=f"RAG chat turns vs llama.cpp: {result['model']}, {result['threads']} "
+                             f"thread{'s' if result['threads'] > 1 else ''}", path=path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 
 from kvboost_rag.app.bench.flops import speedup
 from kvboost_rag.app.bench.prefix import longest_prefix
+from kvboost_rag.app.bench.turn_plot import finish_turn_figure
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -268,20 +269,10 @@ def plot(result: dict[str, Any], path: str) -> None:
         bx.plot(turns, [p["kvboost"][name]["hit"] for p in pt], marker="o", color=c, label=f"kvboost {name}")
         bx.plot(turns, [p["kvboost"][name]["exact"] for p in pt], marker=".", linestyle=":", color=c,
                 label=f"kvboost {name}, exact")
-    ax.set_xlabel("turn (new documents on turns " + ", ".join(map(str, result["retrieve_turns"])) + ")")
-    ax.set_ylabel("TTFT, median over conversations (s)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    bx.set_xlabel("turn")
-    bx.set_ylabel("prompt tokens reused, not recomputed")
-    bx.set_ylim(0, 1.02)
-    bx.grid(True, alpha=0.3)
-    bx.legend(fontsize=7)
-    fig.suptitle(f"Multi-turn RAG chat — {result['model']}, {result['threads']} thread(s)")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    finish_turn_figure(fig, ax, bx,
+                       xlabel="turn (new documents on turns " + ", ".join(map(str, result["retrieve_turns"])) + ")",
+                       share_label="prompt tokens reused, not recomputed",
+                       title=f"Multi-turn RAG chat — {result['model']}, {result['threads']} thread(s)", path=path)
 
 
 def main(argv: list[str] | None = None) -> int:
