@@ -148,3 +148,15 @@ def warmed_block(tokenizer):
     model = make_tiny_model("llama")
     eng, ids, runs = warmed_block_prompt(model, tokenizer, [CORPUS[4], CORPUS[2], CORPUS[1]])
     return model, eng, ids, runs
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random model of kvboost_rag.tiny saved as a HF directory: a stand-in for "any other model"."""
+    from kvboost_rag.tiny import tiny_model_and_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -22,17 +22,6 @@ def _restore_threads():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """The tiny random model of kvboost_rag.tiny saved as a HF directory: a stand-in for "any other model"."""
-    from kvboost_rag.tiny import tiny_model_and_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    model, tok = tiny_model_and_tokenizer()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
 
 def test_demo_runs_end_to_end(capsys):
     pytest.importorskip("langchain_classic")

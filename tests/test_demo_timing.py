@@ -96,16 +96,6 @@ def test_payoff_says_after_how_many_questions_warming_pays_off():
     assert "once at ingestion" in dt.WARM_PAYS and "reused across questions" in dt.WARM_PAYS
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from kvboost_rag.tiny import tiny_model_and_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    model, tok = tiny_model_and_tokenizer()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
 
 def test_chat_demo_repeats_timings_prints_load_and_warming_progress(tiny_dir, capsys):
     """The chat demo end to end on the tiny model, its output captured (not a TTY, as in a logged run)."""

@@ -104,6 +104,14 @@ def split_exists(split: str) -> bool:
     return resources.files(_PACKAGE).joinpath(*_DIR, f"{split}.json").is_file()
 
 
+def questions_by_doc(corpus: RagCorpus) -> dict[str, list[CorpusQuestion]]:
+    """Each document's questions, by document id (documents without a question are absent)."""
+    out: dict[str, list[CorpusQuestion]] = {}
+    for q in corpus.questions:
+        out.setdefault(q.doc_id, []).append(q)
+    return out
+
+
 def doc_text(doc: CorpusDoc) -> str:
     """The document as it is put into prompts: title line, then the text."""
     return f"{doc.title}\n{doc.text}"

@@ -41,6 +41,7 @@ from kvboost_rag.app.bench.flops import speedup
 from kvboost_rag.app.bench.prefix import common_prefix
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM
 from kvboost_rag.app.bench.turn_plot import finish_turn_figure
+from kvboost_rag.app.rag_corpus import questions_by_doc
 
 METHODS = ("hf", "llamacpp", "kvboost", "server")
 THINK = ("0", "backfill")
@@ -52,9 +53,7 @@ def plan_conversation(corpus: Any, k: int, turns: int, seed: int) -> list[tuple[
     question's gold among them; turns in ``ADD_DOC_TURNS`` add their question's gold document, not shown before;
     the others ask about a document already shown."""
     rng = random.Random(seed)
-    by_doc: dict[str, list[Any]] = {}
-    for q in corpus.questions:
-        by_doc.setdefault(q.doc_id, []).append(q)
+    by_doc = questions_by_doc(corpus)
     shown: list[Any] = []
     asked: set[str] = set()
     plan: list[tuple[list[Any], Any]] = []

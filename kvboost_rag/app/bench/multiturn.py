@@ -33,6 +33,7 @@ from typing import Any
 from kvboost_rag.app.bench.flops import speedup
 from kvboost_rag.app.bench.prefix import longest_prefix
 from kvboost_rag.app.bench.turn_plot import finish_turn_figure
+from kvboost_rag.app.rag_corpus import questions_by_doc
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -78,9 +79,7 @@ def plan_conversation(corpus: Any, k: int, turns: int, seed: int) -> list[tuple[
     documents not shown before, the question's gold document among them; follow-ups ask about a document
     already in the conversation."""
     rng = random.Random(seed)
-    by_doc: dict[str, list[Any]] = {}
-    for q in corpus.questions:
-        by_doc.setdefault(q.doc_id, []).append(q)
+    by_doc = questions_by_doc(corpus)
     shown: list[Any] = []
     asked: set[str] = set()
     plan = []
