@@ -289,8 +289,9 @@ def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, An
         new = [p for p in pt if p["turn"] in multiturn["retrieve_turns"] and p["turn"] > 1]
         bf = [p["kvboost"][name] for p in follow]
         ex = sum(b["exact_only_turns"] for b in bf)
-        how = ("exact history by default.** From a chat's second turn on, each answered turn is recomputed exactly "
-               "between turns (`backfill=\"auto\"`; one-shot questions are never backfilled)" if name == "defaults"
+        how = ("exact history by default.** Chat calls (`ChatKVBoost`, the server's chat completions) read their "
+               "history exactly and backfill every answered turn, from the first, between turns (one-shot "
+               "completions only when a prompt continues an earlier one, `backfill=\"auto\"`)" if name == "defaults"
                else "turn on `backfill=True`.** Each answered turn is recomputed exactly between turns")
         lines.append(
             f"- **Multi-turn RAG chat: {how}, so follow-ups reuse their whole history exactly: on {SMOLLM2}, "
