@@ -35,16 +35,16 @@ _LAZY = {"KVEngine": "kvboost_core.engine", "GenerationStream": "kvboost_core.ge
          "GenerationResult": "kvboost_core.results", "PrefillResult": "kvboost_core.results",
          "WarmResult": "kvboost_core.results", "PrefillStats": "kvboost_core.results",
          "CallOptions": "kvboost_core.call_options", "call_options": "kvboost_core.call_options",
-         "RepairSpec": "kvboost_core.repair", "EngineStages": "kvboost_core.stages",
+         "RepairSpec": "kvboost_core.config", "EngineStages": "kvboost_core.stages",
          "SamplingParams": "kvboost_core.decode",
          "LogitsProcessor": "kvboost_core.decode", "StopGeneration": "kvboost_core.decode"}
 
 if TYPE_CHECKING:
     from kvboost_core.call_options import CallOptions, call_options
+    from kvboost_core.config import RepairSpec
     from kvboost_core.decode import LogitsProcessor, SamplingParams, StopGeneration
     from kvboost_core.engine import KVEngine
     from kvboost_core.generation import GenerationStream
-    from kvboost_core.repair import RepairSpec
     from kvboost_core.results import (
         CacheCounts,
         GenerationResult,

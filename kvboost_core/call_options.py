@@ -20,13 +20,13 @@ from typing import Any
 from kvboost_core.config import (
     REPAIR_OPTIONS,
     EngineConfig,
+    RepairSpec,
     validate_adaptive,
     validate_check_layer,
     validate_flag,
     validate_recheck,
     validate_repair,
 )
-from kvboost_core.repair import RepairSpec
 
 # Per-call options that are not repair settings.
 OTHER_OPTIONS = ("add_special_tokens", "store_prefix", "history_tokens", "turn_end")
@@ -45,12 +45,7 @@ def repair_spec(config: EngineConfig, num_layers: int | None, **overrides: Any) 
     if "check_layer" in given:
         validate_check_layer(given["check_layer"], num_layers)
     validate_flag("reuse_repaired", overrides.get("reuse_repaired", True), allow_none=False)  # None: not a bool
-    c = config
-    spec = RepairSpec(repair=c.repair, recompute_ratio=c.recompute_ratio, check_layer=c.check_layer,
-                      select=c.select, overlap_k=c.overlap_k, reuse_repaired=True,
-                      recompute_mass=c.recompute_mass, max_recompute_ratio=c.max_recompute_ratio,
-                      query_tokens=c.query_tokens, recheck_layer=c.recheck_layer, recheck_ratio=c.recheck_ratio)
-    spec = replace(spec, **given)
+    spec = replace(config.repair_spec, **given)
     validate_repair(spec.repair, spec.recompute_ratio, spec.select)
     validate_recheck(spec.recheck_layer, spec.recheck_ratio, spec.check_layer,
                      num_layers if "recheck_layer" in given else None)

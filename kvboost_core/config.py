@@ -41,6 +41,24 @@ def validate_namespace(namespace: object) -> str:
     return namespace
 
 
+@dataclass(frozen=True, slots=True)
+class RepairSpec:
+    """One call's repair settings, built once at the engine's edge (:func:`kvboost_core.call_options.repair_spec`:
+    the config's, :attr:`EngineConfig.repair_spec`, with the call's overrides) and read by every stage below it."""
+
+    repair: str
+    recompute_ratio: float
+    check_layer: int
+    select: str
+    overlap_k: int
+    reuse_repaired: bool = True  # serve prefix entries stored from earlier repaired prefills as exact hits
+    recompute_mass: float = 0.0  # > 0: adaptive, keep the top scores covering this share of the total
+    max_recompute_ratio: float = 1.0  # the adaptive selection's upper bound
+    query_tokens: int = 0  # > 0: weight scores by the attention of the last N computed tokens (query-aware)
+    recheck_layer: int | None = None  # a second check layer: re-score the kept tokens there and narrow them
+    recheck_ratio: float = 0.0  # share of the candidates still recomputed above recheck_layer
+
+
 # The config's repair fields a call may override (kvboost_core.call_options builds a call's RepairSpec from the
 # config and these; the skins' per-call options are read from here): the one list of their names.
 REPAIR_OPTIONS = ("repair", "recompute_ratio", "check_layer", "select", "reuse_repaired", "recompute_mass",
@@ -154,12 +172,13 @@ class EngineConfig:
         return replace(self, **changes)
 
     @property
-    def repair_spec(self) -> Any:
-        """The repair settings as one value (:class:`kvboost_core.repair.RepairSpec`): what a call that overrides
-        none of them runs (:func:`kvboost_core.call_options.repair_spec` adds a call's overrides)."""
-        from kvboost_core.call_options import repair_spec
-
-        return repair_spec(self, None)
+    def repair_spec(self) -> RepairSpec:
+        """The repair settings as one value: what a call that overrides none of them runs
+        (:func:`kvboost_core.call_options.repair_spec` adds a call's overrides)."""
+        return RepairSpec(repair=self.repair, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
+                          select=self.select, overlap_k=self.overlap_k, recompute_mass=self.recompute_mass,
+                          max_recompute_ratio=self.max_recompute_ratio, query_tokens=self.query_tokens,
+                          recheck_layer=self.recheck_layer, recheck_ratio=self.recheck_ratio)
 
 
 def validate_repair(repair: str, ratio: float, select: str = "deviation") -> None:

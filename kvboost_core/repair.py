@@ -15,30 +15,12 @@ Exact-prefix tokens are never recomputed (their KV is exact by construction) and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kvboost_core.assembly import APPROX, FRESH, Plan
+from kvboost_core.config import RepairSpec
 from kvboost_core.forward import Schedule, Scorer
-
-
-@dataclass(frozen=True, slots=True)
-class RepairSpec:
-    """One call's repair settings, built once at the engine's edge (:func:`kvboost_core.call_options.repair_spec`:
-    the config's, with the call's overrides) and read by every stage below it."""
-
-    repair: str
-    recompute_ratio: float
-    check_layer: int
-    select: str
-    overlap_k: int
-    reuse_repaired: bool = True  # serve prefix entries stored from earlier repaired prefills as exact hits
-    recompute_mass: float = 0.0  # > 0: adaptive, keep the top scores covering this share of the total
-    max_recompute_ratio: float = 1.0  # the adaptive selection's upper bound
-    query_tokens: int = 0  # > 0: weight scores by the attention of the last N computed tokens (query-aware)
-    recheck_layer: int | None = None  # a second check layer: re-score the kept tokens there and narrow them
-    recheck_ratio: float = 0.0  # share of the candidates still recomputed above recheck_layer
 
 
 def _sq_dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
