@@ -216,3 +216,77 @@ def test_queue_bounds_supersede_and_count_drops() -> None:
     assert q.pending == 2 and q.totals.dropped == 1
     with pytest.raises(ValueError, match="step_tokens"):
         TurnBackfills(0)
+
+
+def test_a_waiting_request_waits_for_one_backfill_slice_at_most(demo: Any, docs: list[str]) -> None:
+    """The backfill runs a slice per scheduler iteration only while nothing else is queued or running: a request
+    submitted while a long backfill runs is admitted after the slice in progress, and the rest of the job waits
+    until the request is done."""
+    import time
+
+    rag = KVBoostRAG(KVEngine(demo.model, demo.tokenizer, demo.config))
+    rag.warm_documents(docs, progress=False)
+    sched = Scheduler(demo.adapter, max_batch=2, warm_budget=1)  # a slice is one chunk
+    events: list[tuple[str, float]] = []
+    real_step = sched.backfills.step
+
+    def step() -> None:
+        events.append(("slice", time.perf_counter()))
+        real_step()
+        time.sleep(0.05)  # a slice that takes a while, so the request surely arrives during one
+
+    sched.backfills.step = step  # type: ignore[method-assign]
+    sched.start()
+    try:
+        messages = [{"role": "user", "content": dd.build_prompt(docs, QUESTIONS[0])}]
+        text, _ = _turn(sched, rag, messages)  # its backfill (several chunks) starts once it is done
+        while not any(e == "slice" for e, _ in events):
+            time.sleep(0.01)
+        submitted = time.perf_counter()
+        _turn(sched, rag, [{"role": "user", "content": "A one-shot question."}])  # prefill and 6 decode steps
+        done = time.perf_counter()
+        during = [t for e, t in events if e == "slice" and submitted <= t <= done]
+        assert len(during) <= 1  # none started while it waited, prefilled or decoded (one may have been under way)
+        assert sched.backfills.pending or sched.backfills.totals.jobs  # the job went on (or finished) after
+    finally:
+        sched.shutdown()
+
+
+def test_a_rewritten_answer_is_history_computed_exactly_and_changes_nothing_stored(demo: Any, docs: list[str]
+                                                                                   ) -> None:
+    """A client that rewrites the assistant's answer sends a history nothing stored continues: it reads the
+    stored chunks up to the first changed token and computes the rest, with the bits a cold server gives; the
+    stored entries of the real history are left as they were."""
+    cfg = demo.config
+
+    def rag_with(store: Any = None) -> KVBoostRAG:
+        rag = KVBoostRAG(KVEngine(demo.model, demo.tokenizer, cfg if store is None else cfg.with_(store=store)))
+        rag.warm_documents(docs, progress=False)
+        return rag
+
+    sched = Scheduler(demo.adapter, max_batch=2, warm_budget=1)
+    slices = _Slices(sched)
+    sched.start()
+    try:
+        rag = rag_with()
+        stored: list[Any] = []
+        put = rag.engine.store.put
+
+        def record(key: Any, block: Any, **kw: Any) -> bool:
+            stored.append(key)
+            return put(key, block, **kw)
+
+        rag.engine.store.put = record  # type: ignore[method-assign]
+        first = [{"role": "user", "content": dd.build_prompt(docs, QUESTIONS[0])}]
+        answer, _ = _turn(sched, rag, first)
+        slices.run()
+        history_keys = list(stored)
+        rewritten = [*first, {"role": "assistant", "content": answer + " (edited by the client)"},
+                     {"role": "user", "content": QUESTIONS[1]}]
+        text, started = _turn(sched, rag, rewritten)
+        cold_text, cold = _turn(sched, rag_with(), rewritten)
+        assert text == cold_text and 0 < started.counts.cached  # the unchanged part was read
+        assert started.counts.prompt_tokens == cold.counts.prompt_tokens
+        assert history_keys and all(rag.engine.store.contains(k) for k in history_keys)  # left as they were
+    finally:
+        sched.shutdown()
