@@ -35,7 +35,6 @@ sys.path.insert(0, str(REPO))
 
 import kvboost_core.engine as engine_mod  # noqa: E402
 from kvboost_core import KVEngine  # noqa: E402
-from kvboost_core.fidelity import exact_prefix_rows, prefix_probe_prompts  # noqa: E402
 from kvboost_core.kv_encode import maybe_quantize  # noqa: E402
 from kvboost_core.quant import (  # noqa: E402
     dequantize_k,
@@ -46,6 +45,7 @@ from kvboost_core.quant import (  # noqa: E402
 )
 from kvboost_core.rope import delta_cos_sin, rerotate  # noqa: E402
 from kvboost_core.store.base import DensePayload  # noqa: E402
+from kvboost_core.tuning.fidelity import exact_prefix_rows, prefix_probe_prompts  # noqa: E402
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 NEAR_TIE = 0.05

@@ -35,9 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvboost_core import Segment  # noqa: E402
-from kvboost_core.fidelity import compare_logits  # noqa: E402
 from kvboost_core.quant import bytes_per_token, quantize_payload  # noqa: E402
 from kvboost_core.store.base import DensePayload  # noqa: E402
+from kvboost_core.tuning.fidelity import compare_logits  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 NEAR_TIE = 0.05

@@ -51,7 +51,7 @@ class ScatterCache:
         self.kv_only = False
         self.is_compileable = False
         self.hf: Any = None  # the HF cache object on the prefix-only path
-        # positions >= gate_from run through the reader adapter (kvboost_core.reader), if one is attached
+        # positions >= gate_from run through the reader adapter (kvboost_core.lora.reader), if one is attached
         self.gate_from: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -85,7 +85,7 @@ class ModelAdapter:
     # Why no KV is reused at all (plain HF generation), or None. Set for prefix-only families with sliding-window
     # layers: HF keeps only the last `window` tokens of those layers, so their KV cannot be stored or re-placed.
     no_reuse: str | None = None
-    reader: Any = None  # a kvboost_core.reader.ReaderAdapter attached to the model, or None
+    reader: Any = None  # a kvboost_core.lora.reader.ReaderAdapter attached to the model, or None
 
     @classmethod
     def for_model(cls, model: Any) -> ModelAdapter:

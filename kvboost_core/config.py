@@ -111,16 +111,16 @@ class EngineConfig:
     # and user header); a str or a list of ids overrides
     warm_prefix: Any = None
     # Calibrate CacheBlend on this model's own warmed documents the first time enough are warmed (see
-    # kvboost_core.autocalib): KVEngine.from_pretrained turns it on for models without a kvboost.json. The
+    # kvboost_core.tuning.autocalib): KVEngine.from_pretrained turns it on for models without a kvboost.json. The
     # search stops after calibration_budget_s seconds; the result is cached by model fingerprint.
     auto_calibrate: bool = False
     calibration_budget_s: float = 60.0
     # A reader adapter directory (``kvboost-rag adapt``): gated LoRA weights the tokens that read re-placed
-    # document KV run through (kvboost_core.reader). None: the base model only.
+    # document KV run through (kvboost_core.lora.reader). None: the base model only.
     reader_adapter: str | None = None
     # A block adapter directory (``kvboost-rag adapt --block``): LoRA weights merged into the model so that
     # documents served at repair="none" are that adapted model's own (block-attention) prefill
-    # (kvboost_core.block_adapter). None: the base model.
+    # (kvboost_core.lora.block_adapter). None: the base model.
     block_adapter: str | None = None
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.

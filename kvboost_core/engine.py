@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvboost_core.adapters import ModelAdapter
-from kvboost_core.autocalib import FirstUse, load_cached
-from kvboost_core.autocalib import apply as apply_calibration
 from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
@@ -31,10 +29,12 @@ from kvboost_core.results import Counters
 from kvboost_core.segments import Segment, chat_head_text, check_utf8, check_vocab, lead_token_ids
 from kvboost_core.store import KVGeometry
 from kvboost_core.store.factory import build_store
+from kvboost_core.tuning.autocalib import FirstUse, load_cached
+from kvboost_core.tuning.autocalib import apply as apply_calibration
 from kvboost_core.warming import WarmMixin
 
 if TYPE_CHECKING:
-    from kvboost_core.calibrate import Calibration
+    from kvboost_core.tuning.calibrate import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         self._eos = frozenset(self._eos_ids())
         self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.backfill); idle until used
         self._follow_ups = FollowUps()  # backfill="auto": which prompts continue an earlier one
-        # calibration on first use (kvboost_core.autocalib): a cached result for this model applies at once
+        # calibration on first use (kvboost_core.tuning.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None
         cached = load_cached(self) if config.auto_calibrate and not self.adapter.no_reuse else None
         if cached is not None:
@@ -121,7 +121,7 @@ class KVEngine(GenerationMixin, WarmMixin):
             model = AutoModelForCausalLM.from_pretrained(name_or_path, **{**load_kw, "attn_implementation": "eager"})
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
         if "config" not in config_kwargs:  # a calibrated kvboost.json beside the weights sets defaults
-            from kvboost_core.calibrate import shipped_defaults
+            from kvboost_core.tuning.calibrate import shipped_defaults
 
             shipped = shipped_defaults(name_or_path, model, tokenizer)  # or a known model's, by fingerprint
             # without one, calibrate on the first warmed documents, unless the caller chose the repair setting
@@ -140,7 +140,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
             raise ValueError("reader_adapter needs a model whose documents can be re-placed (a supported RoPE "
                              "family); this one reuses exact prefixes only")
-        from kvboost_core.reader import ReaderAdapter
+        from kvboost_core.lora.reader import ReaderAdapter
 
         reader = ReaderAdapter.load(self.model, os.path.expanduser(path), self.fingerprint)
         self.adapter.reader = reader
@@ -153,7 +153,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
             raise ValueError("block_adapter needs a model whose documents can be re-placed (a supported RoPE "
                              "family); this one reuses exact prefixes only")
-        from kvboost_core.block_adapter import BlockAdapter, adapted_fingerprint
+        from kvboost_core.lora.block_adapter import BlockAdapter, adapted_fingerprint
 
         block = BlockAdapter.load(self.model, os.path.expanduser(path), self.base_fingerprint, self._warm_prefix)
         self.fingerprint = Fingerprint(adapted_fingerprint(self.base_fingerprint, block.fingerprint))
@@ -195,8 +195,8 @@ class KVEngine(GenerationMixin, WarmMixin):
 
     def verify(self, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
                max_new_tokens: int = 16, **repair_kw: Any):
-        """Fidelity of each repair strategy against a full prefill; see :mod:`kvboost_core.fidelity`."""
-        from kvboost_core.fidelity import verify
+        """Fidelity of each repair strategy against a full prefill; see :mod:`kvboost_core.tuning.fidelity`."""
+        from kvboost_core.tuning.fidelity import verify
 
         if isinstance(prompts, (str, bytes, Segment)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of prompts (each a str, a Segment or a list of them), got "
@@ -234,7 +234,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         far; or pass your own ``prompts`` (lists of segments, documents warmed beforehand). The result is applied
         to ``self.config``, recorded in ``self.calibration`` and, for probes from documents, cached under the
         model's fingerprint for ``auto_calibrate`` engines. ``budget_s`` bounds the search (None: the config's)."""
-        from kvboost_core import autocalib
+        from kvboost_core.tuning import autocalib
 
         if docs is not None:
             if isinstance(docs, (str, bytes)) or not isinstance(docs, Sequence):

@@ -18,11 +18,11 @@ from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_promp
 
 if TYPE_CHECKING:
     from kvboost_core.adapters import ModelAdapter
-    from kvboost_core.autocalib import FirstUse
     from kvboost_core.backfill import Backfiller, FollowUps
     from kvboost_core.keys import Fingerprint
     from kvboost_core.results import Counters
     from kvboost_core.store import KVStore
+    from kvboost_core.tuning.autocalib import FirstUse
 
 
 class EngineBase:
@@ -35,8 +35,8 @@ class EngineBase:
     store: KVStore
     fingerprint: Fingerprint  # of the model that computes the KV (a block adapter included): keys the cache
     base_fingerprint: Fingerprint  # of the base model, before any adapter
-    reader: Any  # a kvboost_core.reader.ReaderAdapter, or None
-    block: Any  # a kvboost_core.block_adapter.BlockAdapter, or None
+    reader: Any  # a kvboost_core.lora.reader.ReaderAdapter, or None
+    block: Any  # a kvboost_core.lora.block_adapter.BlockAdapter, or None
     calibration: dict[str, Any] | None
     _vocab: int
     _tok_lock: threading.Lock

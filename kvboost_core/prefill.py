@@ -148,7 +148,7 @@ class PrefillMixin(EngineBase):
         computed = int((status == FRESH).sum())
         recomputed = total - reused_exact - reused_approx - reused_repaired - computed
         # Under a block adapter at repair="none", a re-placed document is exactly that model's block prefill
-        # (kvboost_core.block_prefill); with any recompute it is neither that nor a full prefill: approximate.
+        # (kvboost_core.lora.block_prefill); with any recompute it is neither that nor a full prefill: approximate.
         reused_block = reused_approx if self.block is not None and spec.repair == "none" else 0
         reused_approx -= reused_block
         return PrefillStats(

@@ -24,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The engine defaults beside a model's weights (written here for zoo models, by `kvboost-rag calibrate --write`
-# for others; kvboost_core.calibrate reads it). Defined here: calibrate imports zoo, never the other way round.
+# for others; kvboost_core.tuning.calibrate reads it). Defined here: calibrate imports zoo, never the other way round.
 DEFAULTS_FILE = "kvboost.json"
 
 

@@ -7,7 +7,7 @@ import torch
 from kvboost_core import Segment
 from kvboost_core.adapters import output_cache
 from kvboost_core.engine import KVEngine
-from kvboost_core.fidelity import compare_logits
+from kvboost_core.tuning.fidelity import compare_logits
 
 
 def engine_for(model, tokenizer, **kw) -> KVEngine:
@@ -51,7 +51,7 @@ __all__ = ["compare_logits", "docs_prompt", "engine_for", "full_logits", "full_p
 def warmed_block_prompt(model, tokenizer, docs, question: str = " Who is Bob?"):
     """An engine on ``model`` with ``docs`` warmed, and a prompt over them as the block construction reads it:
     (engine, prompt ids, block runs)."""
-    from kvboost_core.block_prefill import block_runs
+    from kvboost_core.lora.block_prefill import block_runs
 
     eng = engine_for(model, tokenizer)
     eng.warm(docs)

@@ -1,4 +1,4 @@
-"""Calibration on first use (kvboost_core.autocalib) and the explicit ``KVEngine.calibrate``."""
+"""Calibration on first use (kvboost_core.tuning.autocalib) and the explicit ``KVEngine.calibrate``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from kvboost_core import autocalib
 from kvboost_core.engine import KVEngine
 from kvboost_core.segments import Segment
+from kvboost_core.tuning import autocalib
 
 DOCS = [
     "Alice works at the Zentrix Institute as a chemist. She was born in Portvale in 1987 and likes boats.",
@@ -146,7 +146,7 @@ def test_calibrated_setting_meets_its_target_on_stories(stories, cache):
     # re-measured independently through the public prefill path: the same figures
     probes = autocalib.probe_prompts([eng.tokenize_ids([Segment(text=d)], add_special_tokens=False)[:192]
                                       for d in STORY_DOCS[:autocalib.MAX_DOCS]], eng._warm_prefix)
-    from kvboost_core.fidelity import compare_logits
+    from kvboost_core.tuning.fidelity import compare_logits
 
     kls = [compare_logits(eng.full_prefill_logits(eng.tokenize_ids(p)), eng.prefill(
         p, store_prefix=False, reuse_repaired=False).last_logits)["kl"] for p in probes]
@@ -157,7 +157,7 @@ def test_a_calibration_never_changes_a_call_that_already_started(model_tok, cach
     """Calibration applies to calls that start after it (issue 34, item 5): a call builds its RepairSpec once,
     at its start (kvboost_core.call_options), so a stream created before the swap runs on the old settings
     throughout, and the next call on the new ones."""
-    from kvboost_core.calibrate import Calibration
+    from kvboost_core.tuning.calibrate import Calibration
 
     model, tok = model_tok
     eng = KVEngine(model, tok, chunk_size=16, boundary_window=4, sink_tokens=2, repair="cacheblend",

@@ -8,9 +8,9 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for
 
-from kvboost_core.block_adapter import TARGETS, BlockMeta, save
-from kvboost_core.block_prefill import Run, block_forward, block_greedy, block_runs
-from kvboost_core.reader import ReaderAdapter
+from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+from kvboost_core.lora.block_prefill import Run, block_forward, block_greedy, block_runs
+from kvboost_core.lora.reader import ReaderAdapter
 from kvboost_rag.app import adapt_block
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]

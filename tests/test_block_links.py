@@ -1,4 +1,4 @@
-"""Link slots after each document (kvboost_core.block_links): the prompt transformation, the slots' forward
+"""Link slots after each document (kvboost_core.lora.block_links): the prompt transformation, the slots' forward
 against the same positions computed from token ids, the student's rows aligned with the teacher's, and an
 adapter with links refused by the engine (it cannot serve them yet) rather than served without them."""
 
@@ -9,8 +9,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import engine_for
 
-from kvboost_core.block_links import LinkTable, insert_links, shift_of
-from kvboost_core.block_prefill import Run, block_forward
+from kvboost_core.lora.block_links import LinkTable, insert_links, shift_of
+from kvboost_core.lora.block_prefill import Run, block_forward
 from kvboost_rag.app import distill
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
@@ -68,8 +68,8 @@ def test_student_with_links_reads_the_teachers_rows(setup):
 
 
 def test_engine_refuses_an_adapter_with_links(tmp_path, tokenizer):
-    from kvboost_core.block_adapter import TARGETS, BlockMeta, save
-    from kvboost_core.reader import ReaderAdapter
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.reader import ReaderAdapter
 
     model = make_tiny_model("llama")
     eng = engine_for(model, tokenizer)

@@ -77,8 +77,8 @@ def test_block_exact_reuse_is_cached(tmp_path, tokenizer):
     from langchain_kvboost import ChatKVBoost
     from llama_index.llms.kvboost import KVBoostLLM
 
-    from kvboost_core.block_adapter import TARGETS, BlockMeta, save
-    from kvboost_core.reader import ReaderAdapter
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag import KVBoostRAG
 
     base = engine_for(make_tiny_model("llama"), tokenizer)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvboost_core import Segment
-from kvboost_core.calibrate import DEFAULTS_FILE, calibrate, cost, grid, load_defaults, save_defaults
 from kvboost_core.engine import KVEngine
+from kvboost_core.tuning.calibrate import DEFAULTS_FILE, calibrate, cost, grid, load_defaults, save_defaults
 from kvboost_rag.app import demo_data as dd
 
 
@@ -46,7 +46,7 @@ def test_grid_reaches_the_ratios_a_model_may_need():
 
 
 def test_save_defaults_refuses_a_missed_target(tmp_path):
-    from kvboost_core.calibrate import Calibration
+    from kvboost_core.tuning.calibrate import Calibration
 
     missed = Calibration(0.5, 1, False, 0.01, 0.95, ())
     with pytest.raises(ValueError, match="no setting met the target"):

@@ -168,7 +168,7 @@ def test_demo_accuracy_rejects_no_questions():
 def test_calibrate_writes_defaults_beside_the_weights(tiny_dir, tmp_path, capsys):
     import shutil
 
-    from kvboost_core.calibrate import DEFAULTS_FILE, load_defaults
+    from kvboost_core.tuning.calibrate import DEFAULTS_FILE, load_defaults
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_dir, model_dir)
@@ -325,7 +325,7 @@ def test_format_speedup():
 def test_verify_table_prints_slower_below_one():
     """The engine quick start's `engine.verify([prompt]).table()` printed "0.86x faster" for a reuse slower than
     full prefill; the docs' convention is full/reuse "N.NNx faster", or "N.NNx slower" below 1."""
-    from kvboost_core.fidelity import FidelityReport, PromptFidelity, speedup_text
+    from kvboost_core.tuning.fidelity import FidelityReport, PromptFidelity, speedup_text
     from kvboost_rag.app.cli_util import fidelity_table
     from kvboost_rag.app.fmt import speedup
 
@@ -369,8 +369,8 @@ def test_calibrate_write_refuses_a_setting_that_missed_the_target(tiny_dir, tmp_
     lowest-KL setting over the model's kvboost.json while printing "no setting met the target")."""
     import shutil
 
-    from kvboost_core import calibrate as cal_mod
-    from kvboost_core.calibrate import DEFAULTS_FILE, Calibration, Trial
+    from kvboost_core.tuning import calibrate as cal_mod
+    from kvboost_core.tuning.calibrate import DEFAULTS_FILE, Calibration, Trial
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_dir, model_dir)
@@ -388,7 +388,7 @@ def test_calibrate_write_refuses_a_setting_that_missed_the_target(tiny_dir, tmp_
 def test_calibrate_write_keeps_other_settings_of_the_file(tiny_dir, tmp_path, capsys):
     import shutil
 
-    from kvboost_core.calibrate import DEFAULTS_FILE, load_defaults
+    from kvboost_core.tuning.calibrate import DEFAULTS_FILE, load_defaults
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_dir, model_dir)
@@ -437,7 +437,7 @@ def test_unknown_model_name_is_one_line_at_once(tmp_path, monkeypatch, capsys, o
 def test_fidelity_greedy_match_stops_at_eos():
     """A continuation that ended at EOS where the reference did was counted as a mismatch (the reference ran on
     past EOS)."""
-    from kvboost_core.fidelity import greedy_match
+    from kvboost_core.tuning.fidelity import greedy_match
 
     assert greedy_match([5, 2], [5, 2, 7, 7], {2}) == 1.0
     assert greedy_match([5, 3, 4, 4], [5, 2, 7, 7], {2}) == 0.5  # diverged at the reference's EOS

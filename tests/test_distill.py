@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
 
-from kvboost_core.reader import ReaderAdapter
+from kvboost_core.lora.reader import ReaderAdapter
 from kvboost_rag.app import distill
 from kvboost_rag.app.trainer import order, schedule, train
 
@@ -63,7 +63,7 @@ def test_teacher_target_rows_are_the_full_prefill_along_its_answer(setup):
 def test_student_under_full_attention_has_zero_loss_and_block_attention_does_not(setup):
     """The student's rows are aligned with the teacher's: with no document placed (every position computed in
     one causal pass) the student is the teacher and every loss is ~0; under block attention it is not."""
-    from kvboost_core.block_prefill import Run
+    from kvboost_core.lora.block_prefill import Run
 
     model, eng, ids, runs = setup
     t = distill.teacher_target(model, ids, runs, 6, set())

@@ -138,6 +138,26 @@ def test_no_import_cycles():
     assert cycles(_modules()) == []
 
 
+def test_kvboost_core_groups_import_one_way():
+    """kvboost_core/lora (adapter weights and the block prefill) sits below the engine: it imports neither the
+    engine's stage modules nor kvboost_core/tuning; tuning (fidelity, calibration) is driven by the engine shell
+    and imported by nothing else in kvboost_core."""
+    mods = _modules()
+    shell = {f"kvboost_core.{m}" for m in ("engine", "engine_base", "prefill", "warming", "generation",
+                                           "exact_history")}
+    bad = []
+    for mod, path in mods.items():
+        if not _under(mod, "kvboost_core"):
+            continue
+        names = set(imported_names(path.read_text(), mod, path.name == "__init__.py", type_checking=False))
+        if _under(mod, "kvboost_core.lora"):
+            bad += [f"{mod} -> {n}" for n in names if _under(n, "kvboost_core.tuning") or n in shell]
+        elif not _under(mod, "kvboost_core.tuning") and mod not in shell:
+            bad += [f"{mod} -> {n}" for n in names if _under(n, "kvboost_core.tuning")]
+    assert {"kvboost_core.lora.block_adapter", "kvboost_core.tuning.fidelity"} <= set(mods)
+    assert bad == []
+
+
 def test_the_cli_is_imported_by_no_other_module():
     """The CLI imports the benches and the server; what they share with it lives in app.loading."""
     mods = _modules()

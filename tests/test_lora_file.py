@@ -1,4 +1,4 @@
-"""The LoRA adapter files (kvboost_core.lora_file) the reader and block adapters share: the shipped adapters load
+"""The LoRA adapter files (kvboost_core.lora.lora_file) the reader and block adapters share: the shipped adapters load
 unchanged, their fingerprints (which key the adapted model's cache entries) stay bit-identical, and bad files
 are refused with errors that say what is wrong."""
 
@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from kvboost_core import lora_file, zoo
-from kvboost_core.block_adapter import (
+from kvboost_core import zoo
+from kvboost_core.lora import lora_file
+from kvboost_core.lora.block_adapter import (
     FILES,
     BlockAdapter,
     BlockMeta,
@@ -20,7 +21,7 @@ from kvboost_core.block_adapter import (
     file_fingerprint,
     save,
 )
-from kvboost_core.lora_file import LoraFiles, LoraHeader
+from kvboost_core.lora.lora_file import LoraFiles, LoraHeader
 
 # zoo name -> (the shipped adapter's file fingerprint, the adapted model's cache fingerprint). A change here
 # orphans every cache entry users warmed with the shipped adapter: only a new adapter may change it.

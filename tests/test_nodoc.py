@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from kvboost_core.reader import ReaderAdapter
+from kvboost_core.lora.reader import ReaderAdapter
 from kvboost_rag.app import nodoc
 
 

@@ -10,8 +10,8 @@ import torch
 from conftest import STORY_DOCS
 
 from kvboost_core.engine import KVEngine
-from kvboost_core.fidelity import exact_prefix_rows, prefix_probe_prompts
 from kvboost_core.quant import bytes_per_token
+from kvboost_core.tuning.fidelity import exact_prefix_rows, prefix_probe_prompts
 
 
 def _prompts(tok, n=240):

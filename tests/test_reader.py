@@ -12,7 +12,7 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for, full_logits
 
-from kvboost_core.reader import META, WEIGHTS, ReaderAdapter
+from kvboost_core.lora.reader import META, WEIGHTS, ReaderAdapter
 from kvboost_rag.app import adapt
 
 QUESTION = " Question: where was Alice born? Answer:"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvboost_core import zoo
-from kvboost_core.fidelity import kl_divergence
+from kvboost_core.tuning.fidelity import kl_divergence
 from kvboost_rag.app import rag_corpus as rc
 from kvboost_rag.app.bench.rag import first_sentence, hf_greedy, messages
 

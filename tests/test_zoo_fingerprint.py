@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvboost_core import zoo
-from kvboost_core.calibrate import DEFAULTS_FILE
 from kvboost_core.engine import KVEngine
+from kvboost_core.tuning.calibrate import DEFAULTS_FILE
 
 
 @pytest.fixture(scope="module")

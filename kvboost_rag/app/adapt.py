@@ -1,4 +1,4 @@
-"""``kvboost-rag adapt``: train a reader adapter (kvboost_core.reader) by distillation on RAG chats.
+"""``kvboost-rag adapt``: train a reader adapter (kvboost_core.lora.reader) by distillation on RAG chats.
 
 Each training chat is a system turn and one user turn holding k shuffled documents and a question, rendered by
 the model's chat template (the benchmark's format). The teacher is the base model with a plain full prefill of
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rag = load_rag(args.model, auto_calibrate=False)  # a --model that cannot load: one line, checked first
     import torch
 
-    from kvboost_core.reader import ReaderAdapter
+    from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.synth_corpus import synthetic_corpus
 

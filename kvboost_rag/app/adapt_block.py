@@ -1,6 +1,6 @@
-"""``kvboost-rag adapt --block``: train a block adapter (kvboost_core.block_adapter) by distillation.
+"""``kvboost-rag adapt --block``: train a block adapter (kvboost_core.lora.block_adapter) by distillation.
 
-The training forward is the serving forward: :func:`kvboost_core.block_prefill.block_hidden` encodes each
+The training forward is the serving forward: :func:`kvboost_core.lora.block_prefill.block_hidden` encodes each
 document on its own behind the engine's warm lead-in, re-rotates its keys to where the engine places it, and
 computes the head, separators, question and answer in one causal pass over all of it, with LoRA on every
 projection of every token (documents included). Gradients flow through the documents' encodings.
@@ -12,7 +12,7 @@ and, at every tail row, its sparse next-token distribution and final hidden stat
 - ``a``: KL on the answer rows (the recipe of the shipped adapter);
 - ``b``: dense distillation: KL at every question and answer row, plus the teacher's hidden states there;
 - ``c``: ``b`` plus cross-entropy on the gold answer where a chat has one;
-- ``d``: ``b`` with 4 link slots after each document (:mod:`kvboost_core.block_links`; not served yet).
+- ``d``: ``b`` with 4 link slots after each document (:mod:`kvboost_core.lora.block_links`; not served yet).
 
 Training chats (:mod:`.train_corpus`): real English prose (standard-library docstrings, installed distributions'
 descriptions) and invented-entity documents, in five question kinds, some with an earlier turn. Never the
@@ -41,7 +41,7 @@ from kvboost_rag.app.cli_util import positive_int
 
 DEV_K = 12
 LINKS_KEY = "links.table"
-LINKS_FILE = "links.safetensors"  # kvboost_core.block_adapter refuses an adapter directory that holds one
+LINKS_FILE = "links.safetensors"  # kvboost_core.lora.block_adapter refuses an adapter directory that holds one
 
 
 def register(rag: Any, texts: Sequence[str]) -> None:
@@ -99,7 +99,7 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
     ``links``: a link table's rows (the prompts get that many link slots after every document)."""
     import torch
 
-    from kvboost_core.block_prefill import block_greedy
+    from kvboost_core.lora.block_prefill import block_greedy
     from kvboost_rag.app import distill
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.bench.stats import paired_accuracy
@@ -152,7 +152,7 @@ def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[i
     import torch
     from safetensors.torch import load_file
 
-    from kvboost_core.block_adapter import META, WEIGHTS, BlockMeta
+    from kvboost_core.lora.block_adapter import META, WEIGHTS, BlockMeta
 
     with open(os.path.join(directory, META)) as f:
         meta = BlockMeta.from_json(json.load(f))
@@ -209,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
     import torch
 
-    from kvboost_core.block_adapter import TARGETS, BlockMeta, save
-    from kvboost_core.reader import ReaderAdapter
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag.app import train_corpus as tc
     from kvboost_rag.app.trainer import train
 
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe = distill.RECIPES[args.recipe]
     table = None
     if recipe.links:
-        from kvboost_core.block_links import LinkTable
+        from kvboost_core.lora.block_links import LinkTable
 
         table = LinkTable(engine.model, recipe.links, engine.encode("\n")[-1], args.seed).to(args.device)
     params = lora.parameters() + ([table.table] if table is not None else [])

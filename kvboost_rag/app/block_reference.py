@@ -1,6 +1,6 @@
 """A prompt as a block-adapter engine serves it, rebuilt by plain HF: what the adapter is trained and checked on.
 
-:mod:`kvboost_core.block_prefill` builds block attention with the model's own HF forward: each warmed document
+:mod:`kvboost_core.lora.block_prefill` builds block attention with the model's own HF forward: each warmed document
 encoded on its own behind the engine's warm lead-in, its keys re-rotated to where it lands, every other token
 computed in one causal pass. Which positions come from which document is the engine's own plan of the prompt
 (``KVBoostRAG.plan``, then the engine's tokenization and lookup rule). This module derives that plan once for
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from kvboost_core.block_prefill import Run
+    from kvboost_core.lora.block_prefill import Run
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class BlockPlan:
 
 def block_plan(rag: Any, prompt: str, add_special_tokens: bool) -> BlockPlan:
     """The engine's plan of ``prompt`` (a ``KVBoostRAG`` whose documents are registered or warmed) as block runs."""
-    from kvboost_core.block_prefill import block_runs
+    from kvboost_core.lora.block_prefill import block_runs
 
     engine = rag.engine
     plan = rag.plan(prompt, add_special_tokens=add_special_tokens)
@@ -41,9 +41,9 @@ def block_plan(rag: Any, prompt: str, add_special_tokens: bool) -> BlockPlan:
 def block_reference(rag: Any, plan: BlockPlan, max_new_tokens: int, encoded: dict | None = None
                     ) -> tuple[torch.Tensor, list[int]]:
     """(first-token logits (V,) fp32, greedy tokens) of ``rag``'s model under block attention over ``plan``,
-    by plain HF (:func:`kvboost_core.block_prefill.block_greedy`). ``encoded`` caches the documents' isolated
+    by plain HF (:func:`kvboost_core.lora.block_prefill.block_greedy`). ``encoded`` caches the documents' isolated
     encodings across calls on the same model."""
-    from kvboost_core.block_prefill import block_greedy
+    from kvboost_core.lora.block_prefill import block_greedy
 
     engine = rag.engine
     return block_greedy(engine.model, plan.ids, plan.runs, list(engine.warm_prefix_ids), max_new_tokens,

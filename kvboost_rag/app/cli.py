@@ -210,7 +210,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from kvboost_core import zoo
-    from kvboost_core.calibrate import calibrate, save_defaults
+    from kvboost_core.tuning.calibrate import calibrate, save_defaults
 
     if args.write and zoo.is_zoo_name(args.model):
         raise UserError(f"--write: {args.model}'s defaults are shipped with kvboost_core.zoo and rewritten on every "

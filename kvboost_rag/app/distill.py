@@ -7,7 +7,7 @@ question, the chat template's turn markers and the answer, teacher-forced):
 - the next-token distribution, kept sparse: the top ``K`` log-probs and the log of the mass left over (``rest``);
 - the final (normed) hidden state, fp16.
 
-The student is the adapted model under block attention (:func:`kvboost_core.block_prefill.block_hidden`), on the
+The student is the adapted model under block attention (:func:`kvboost_core.lora.block_prefill.block_hidden`), on the
 same ids. Losses (all means over rows):
 
 - :func:`sparse_kl`: KL(teacher || student) between the two distributions coarsened to the teacher's top ``K``
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from kvboost_core.block_prefill import Run
+    from kvboost_core.lora.block_prefill import Run
 
 TOP_K = 64
 SHARD = 32
@@ -135,7 +135,7 @@ class Recipe:
     rows: str = "answer"  # "answer": the answer rows only; "dense": every tail row
     hidden_weight: float = 0.0  # times the hidden-state loss over the same rows
     gold_weight: float = 0.0  # times the cross-entropy of the gold answer (an extra pass, where a chat has one)
-    links: int = 0  # link slots after each document (kvboost_core.block_links), trained with the LoRA
+    links: int = 0  # link slots after each document (kvboost_core.lora.block_links), trained with the LoRA
 
     def __post_init__(self) -> None:
         if self.rows not in ("answer", "dense"):
@@ -153,7 +153,7 @@ LINK_FILL_ID = 0  # the placeholder id of a link slot (never embedded: the slot'
 def student_view(t: Target, extra: Sequence[int], n_links: int) -> tuple[list[int], list[Run], int]:
     """The student's ids (the prompt, then ``extra`` teacher-forced tokens), runs and first tail row, with
     ``n_links`` link slots after every document (the tail's rows are the teacher's, shifted)."""
-    from kvboost_core.block_links import insert_links, shift_of
+    from kvboost_core.lora.block_links import insert_links, shift_of
 
     ids, runs = insert_links(t.ids + list(extra), t.runs, n_links, LINK_FILL_ID)
     return ids, runs, t.tail_from + shift_of(t.runs, n_links)
@@ -165,7 +165,7 @@ def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
     ``links``: the link table's rows when ``recipe.links`` > 0."""
     import torch
 
-    from kvboost_core.block_prefill import block_hidden
+    from kvboost_core.lora.block_prefill import block_hidden
 
     if recipe.links and (links is None or links.shape[0] != recipe.links):
         raise ValueError(f"recipe has {recipe.links} link slots; pass a link table of as many rows")
@@ -202,7 +202,7 @@ def _to_dict(t: Target) -> dict[str, Any]:
 
 
 def _from_dict(d: dict[str, Any]) -> Target:
-    from kvboost_core.block_prefill import Run
+    from kvboost_core.lora.block_prefill import Run
 
     def run(r: Any) -> Run:
         if isinstance(r, tuple):

@@ -8,7 +8,7 @@
 - ``instruction``: a simple instruction with a short checkable output ("Reply with only the word yes.").
 
 :func:`evaluate` answers every question greedily with plain HF (a full prefill, then greedy steps on HF's own
-cache, as the RAG benchmark's reference does) once per gate of a :class:`kvboost_core.reader.ReaderAdapter`:
+cache, as the RAG benchmark's reference does) once per gate of a :class:`kvboost_core.lora.reader.ReaderAdapter`:
 ``None`` runs the base weights, ``True`` the adapted model. With two gates it reports the second's accuracy
 against the first's on the same questions (paired bootstrap interval and McNemar's exact test).
 

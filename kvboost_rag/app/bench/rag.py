@@ -161,8 +161,8 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     """Every question through HF full prefill (the reference) and each setting; with ``block_rag`` (a
     KVBoostRAG whose engine has a block adapter) also the ``block`` setting: the adapted model served at
     ``repair="none"``, its greedy answer checked against the independent HF block construction
-    (kvboost_core.block_prefill) and its accuracy compared with the base model's full prefill."""
-    from kvboost_core.fidelity import kl_divergence
+    (kvboost_core.lora.block_prefill) and its accuracy compared with the base model's full prefill."""
+    from kvboost_core.tuning.fidelity import kl_divergence
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.block_reference import served_as_reference
 

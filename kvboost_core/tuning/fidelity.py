@@ -78,7 +78,7 @@ class PromptFidelity:
     recomputed_share: float
     ttft_ratio: float  # reuse TTFT / full-prefill TTFT
     # engines with a block adapter: the reference of repair="none" is the adapted model's own block prefill
-    # (kvboost_core.block_prefill); these compare the same output with the *base* model's full prefill
+    # (kvboost_core.lora.block_prefill); these compare the same output with the *base* model's full prefill
     base_kl: float | None = None
     base_top1_agree: float | None = None
 
@@ -207,7 +207,7 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
 
 def _block_reference(engine: Any, prompt: Any, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     """The adapted model's own block prefill of ``prompt`` through plain HF calls, and its greedy tokens."""
-    from kvboost_core.block_prefill import block_greedy, block_runs
+    from kvboost_core.lora.block_prefill import block_greedy, block_runs
 
     segs = engine.tokenize(prompt)
     ids = [t for seg in segs for t in seg.token_ids]

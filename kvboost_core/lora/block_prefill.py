@@ -35,7 +35,7 @@ class Run:
     end: int
     doc: tuple[int, ...] | None = None
     offset: int = 0
-    link: bool = False  # link slots after a document (kvboost_core.block_links): computed, from a trained table
+    link: bool = False  # link slots after a document (kvboost_core.lora.block_links): computed, from a trained table
 
 
 def block_runs(segments: Iterable[Any], sink_tokens: int) -> list[Run]:

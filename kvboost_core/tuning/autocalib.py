@@ -1,10 +1,10 @@
 """Calibration on first use: CacheBlend settings measured on the model's own warmed documents.
 
-Why: how much repair re-placed document KV needs depends on the model (see :mod:`kvboost_core.calibrate`). A
+Why: how much repair re-placed document KV needs depends on the model (see :mod:`kvboost_core.tuning.calibrate`). A
 model that ships a ``kvboost.json`` has its settings; any other model would otherwise run at the engine's
 generic default. With ``auto_calibrate`` on (``KVEngine.from_pretrained`` turns it on for models without a
 ``kvboost.json``), the first ``warm`` that brings the engine to ``MIN_DOCS`` warmed documents runs
-:func:`kvboost_core.calibrate.calibrate` on probe prompts built from a sample of them, bounded by
+:func:`kvboost_core.tuning.calibrate.calibrate` on probe prompts built from a sample of them, bounded by
 ``calibration_budget_s``, applies the result to the engine's config and caches it on disk under the model's
 fingerprint and the settings that shape it, so later processes apply it at construction without measuring.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import xxhash
 
-from kvboost_core.calibrate import Calibration, calibrate, grid
 from kvboost_core.segments import Segment
+from kvboost_core.tuning.calibrate import Calibration, calibrate, grid
 
 log = logging.getLogger("kvboost_core.calibration")
 

@@ -1,5 +1,5 @@
-"""The LoRA adapter files the reader adapter (:mod:`kvboost_core.reader`) and the block adapter
-(:mod:`kvboost_core.block_adapter`) share.
+"""The LoRA adapter files the reader adapter (:mod:`kvboost_core.lora.reader`) and the block adapter
+(:mod:`kvboost_core.lora.block_adapter`) share.
 
 An adapter is a directory with two files of one kind's names (:class:`LoraFiles`):
 

@@ -91,7 +91,7 @@ def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_
 
     ``budget_s`` bounds the search: no new setting is tried once it is spent (the reference prefills count).
     When no tried setting meets the target, the result has ``met=False`` and the lowest-KL setting tried."""
-    from kvboost_core.fidelity import compare_logits
+    from kvboost_core.tuning.fidelity import compare_logits
 
     if not prompts:
         raise ValueError("calibrate needs at least one prompt with warmed documents in it")

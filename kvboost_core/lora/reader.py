@@ -14,7 +14,7 @@ prompt (exact hits, or ``repair="full"``) the gate is closed and generation is e
 Why not peft: peft switches an adapter per forward call, while one forward here mixes gated and ungated
 positions (CacheBlend recomputes document tokens with base weights in the same pass as the tail).
 
-Files (:mod:`kvboost_core.lora_file`): ``reader.safetensors`` (the A/B matrices, float32) and ``reader.json``
+Files (:mod:`kvboost_core.lora.lora_file`): ``reader.safetensors`` (the A/B matrices, float32) and ``reader.json``
 (rank, alpha, targets, the base model's fingerprint, training figures). Loading checks the fingerprint: an
 adapter never runs on another base model.
 """
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvboost_core import lora_file
-from kvboost_core.lora_file import TARGETS, LoraFiles, LoraHeader
+from kvboost_core.lora import lora_file
+from kvboost_core.lora.lora_file import TARGETS, LoraFiles, LoraHeader
 
 FILES = LoraFiles("reader_adapter", "reader.safetensors", "reader.json", "kvboost-rag adapt")
 WEIGHTS, META = FILES.weights, FILES.meta

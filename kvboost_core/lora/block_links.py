@@ -7,7 +7,7 @@ document. What follows a document then reads both the document's own KV and its 
 They add ``n`` tokens per document to the prompt.
 
 Here: the prompt transformation (ids and runs with the slots inserted) and the table. The HF block construction
-(:mod:`kvboost_core.block_prefill`) computes slot runs from the table's rows; that is the training forward and
+(:mod:`kvboost_core.lora.block_prefill`) computes slot runs from the table's rows; that is the training forward and
 the independent reference. Serving them in the engine is not built yet: adapters with links are measured through
 the HF construction only (issue #32).
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvboost_core.block_prefill import Run
+from kvboost_core.lora.block_prefill import Run
 
 
 def insert_links(ids: Sequence[int], runs: Sequence[Run], n: int, fill_id: int) -> tuple[list[int], list[Run]]:

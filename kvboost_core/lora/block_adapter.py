@@ -2,8 +2,8 @@
 
 A model fine-tuned for block attention (Block-Attention, TurboRAG, KVLink) expects documents encoded on their
 own and then re-placed; serving their stored KV at ``repair="none"`` is then not an approximation of that
-model's prefill, it *is* that prefill (:mod:`kvboost_core.block_prefill` builds it with plain HF calls). Unlike
-the reader adapter (:mod:`kvboost_core.reader`), which keeps the documents' KV on the base weights and only
+model's prefill, it *is* that prefill (:mod:`kvboost_core.lora.block_prefill` builds it with plain HF calls). Unlike
+the reader adapter (:mod:`kvboost_core.lora.reader`), which keeps the documents' KV on the base weights and only
 compensates in the tokens that read them, a block adapter runs on every token, documents included: it is
 merged into the weights at load, so warming, serving and decoding all run the adapted model at the base
 model's speed.
@@ -12,7 +12,7 @@ The adapted model is a different model: its cache entries are keyed by a fingerp
 model's and the adapter's (:func:`adapted_fingerprint`), so base and adapted entries never mix. The base
 weights are kept (``base_weights()``) so accuracy can still be compared with the base model's full prefill.
 
-Files (:mod:`kvboost_core.lora_file`): ``block.safetensors`` (the LoRA A/B matrices, fp16) and ``block.json``
+Files (:mod:`kvboost_core.lora.lora_file`): ``block.safetensors`` (the LoRA A/B matrices, fp16) and ``block.json``
 (rank, alpha, targets, the base model's fingerprint, the warm lead-in it was trained behind, training figures).
 Loading refuses an adapter of another base model or of another lead-in.
 """
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import xxhash
 
-from kvboost_core import lora_file
-from kvboost_core.lora_file import TARGETS, LoraFiles, LoraHeader, target_linears  # noqa: F401  (re-exported)
+from kvboost_core.lora import lora_file
+from kvboost_core.lora.lora_file import TARGETS, LoraFiles, LoraHeader, target_linears  # noqa: F401  (re-exported)
 
 FILES = LoraFiles("block_adapter", "block.safetensors", "block.json", "kvboost-rag adapt --block")
 WEIGHTS, META = FILES.weights, FILES.meta
-LINKS = "links.safetensors"  # a link-slot table (kvboost_core.block_links) the engine cannot serve yet
+LINKS = "links.safetensors"  # a link-slot table (kvboost_core.lora.block_links) the engine cannot serve yet
 
 
 @dataclass(slots=True)
