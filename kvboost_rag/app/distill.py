@@ -212,11 +212,27 @@ def _from_dict(d: dict[str, Any]) -> Target:
     return Target(**{**d, "runs": [run(r) for r in d["runs"]]})
 
 
+# Modules whose classes shards of earlier layouts pickled, under their present names.
+MOVED_MODULES = {"kvboost_core.block_prefill": "kvboost_core.lora.block_prefill"}
+
+
+def _shard_pickle() -> Any:
+    """A pickle module for ``torch.load`` that finds classes under their moved modules (:data:`MOVED_MODULES`)."""
+    import pickle
+    import types
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return super().find_class(MOVED_MODULES.get(module, module), name)
+
+    return types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle")
+
+
 def _read_shard(path: str) -> dict[str, Any]:
     import torch
 
     try:
-        raw = torch.load(path, weights_only=False)
+        raw = torch.load(path, weights_only=False, pickle_module=_shard_pickle())
         if not (isinstance(raw, dict) and {"first", "end", "targets"} <= raw.keys()):
             raise ValueError("not a teacher shard (no first/end/targets)")
         return raw
