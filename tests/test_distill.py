@@ -11,7 +11,7 @@ from conftest import CORPUS, make_tiny_model
 
 from kvboost_core.lora.reader import ReaderAdapter
 from kvboost_rag.app import distill
-from kvboost_rag.app.trainer import order, schedule, train
+from kvboost_rag.app.trainer import TrainState, budget_progress, order, schedule, train
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
 
@@ -160,5 +160,10 @@ def test_schedule_and_order():
     assert schedule(0, 100, 1.0) == pytest.approx(0.2)  # warm-up over 5 steps
     assert schedule(99, 100, 1.0) < 0.01
     assert schedule(10, 100, 1.0, progress=0.99) < 0.01  # a CPU budget nearly spent decays the rate
+    # a budget much smaller than ``steps``: the warm-up ends with 5% of the budget, not 5% of the steps
+    assert schedule(0, 10_000, 1.0, progress=0.06) > 0.9 and schedule(0, 10_000, 1.0, progress=0.01) < 0.25
+    st = TrainState(cpu_s=30.0, wall_s=90.0)
+    assert budget_progress(st, None, None) is None and budget_progress(st, 1.0, None) == pytest.approx(0.5)
+    assert budget_progress(st, 1.0, 2.0) == pytest.approx(0.75)  # the larger fraction spent leads
     with pytest.raises(ValueError, match="lr"):
         train([], 1, lambda i: None, steps=1, lr=0.0, seed=0)

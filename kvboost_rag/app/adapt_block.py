@@ -190,13 +190,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodoc", action="store_true", help="with --eval/--eval-only: also the 64 questions without "
                     "documents, base vs adapted (kvboost_rag.app.nodoc)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1 ...")
-    ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time in training")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time in training (this "
+                    "stretch; the schedule does not follow it)")
+    ap.add_argument("--wall-minutes", type=float, default=None, help="a wall-time training budget over all stretches, "
+                    "which the schedule decays over (the GPU's --cpu-minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     args = ap.parse_args(argv)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
-    for flag in ("cpu_minutes", "minutes"):
+    for flag in ("cpu_minutes", "minutes", "wall_minutes"):
         value = getattr(args, flag)
         if value is not None and not (value > 0 and math.isfinite(value)):
             ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
@@ -276,8 +279,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     with lora.gated(True):
         st = train(params, len(targets), loss_at, steps=args.steps, lr=args.lr, seed=args.seed,
                    ckpt=os.path.join(args.out, "train.pt"), cpu_minutes=args.cpu_minutes, minutes=args.minutes,
+                   wall_minutes=args.wall_minutes,
                    state_dict=weights, load_state_dict=load_weights, desc=f"block adapter ({args.recipe})")
-    result: dict[str, Any] = {}
+    trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device,
+               "chats": len(targets), "pool": tc.pool_hash(pool), "pool_docs": len(pool), "steps": st.step,
+               "cpu_min": round(st.cpu_s / 60, 2), "wall_min": round(st.wall_s / 60, 2), "rank": args.rank,
+               "alpha": args.alpha, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
+               "threads": torch.get_num_threads(), "prompt_tokens_median": statistics.median(len(t.ids) for t in targets),
+               "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log, "dev": {}}
+
+    def write(dev: dict[str, Any]) -> str:
+        meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead),
+                         engine.config.sink_tokens, trained={**trained, "dev": dev})
+        return save(args.out, lora.state_dict(), meta)
+
+    fp = write({})  # saved before scoring, so a run stopped while it scores keeps its weights
+    if table is not None:  # the engine cannot serve link slots yet: a separate file it refuses to load past
+        from safetensors.torch import save_file
+
+        save_file({LINKS_KEY: table.table.detach().cpu().contiguous()}, os.path.join(args.out, LINKS_FILE))
     if args.eval:
         with torch.no_grad():
             rows = table().detach() if table is not None else None
@@ -285,18 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodoc:
             result["nodoc"] = nodoc_scores(rag, lora)
         print(json.dumps(result, indent=1))
-    trained = {"base": args.model, "recipe": args.recipe, "init": args.init, "device": args.device,
-               "chats": len(targets), "pool": tc.pool_hash(pool), "pool_docs": len(pool), "steps": st.step, "cpu_min": round(st.cpu_s / 60, 2), "rank": args.rank,
-               "alpha": args.alpha, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
-               "threads": torch.get_num_threads(), "prompt_tokens_median": statistics.median(len(t.ids) for t in targets),
-               "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log, "dev": result}
-    meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead), engine.config.sink_tokens,
-                     trained=trained)
-    fp = save(args.out, lora.state_dict(), meta)
-    if table is not None:  # the engine cannot serve link slots yet: a separate file it refuses to load past
-        from safetensors.torch import save_file
-
-        save_file({LINKS_KEY: table.table.detach().cpu().contiguous()}, os.path.join(args.out, LINKS_FILE))
+        fp = write(result)
     size = os.path.getsize(os.path.join(args.out, "block.safetensors"))
     print(f"saved to {args.out} ({size / 1e6:.1f} MB, fingerprint {fp[:16]}, {st.step} steps, "
           f"{st.cpu_s / 60:.1f} CPU-min)")

@@ -6,7 +6,10 @@ written every ``every`` steps and at the end; a run started again with the same 
 reaches the same state as one never interrupted (the order depends on the seed only). ``cpu_minutes`` stops a
 run once the process has spent that much CPU time training, so runs of one budget curve are comparable on a
 shared machine (the x axis is CPU time, not wall time); the cosine decay then follows the larger of the step
-and CPU-time fractions, so a budgeted run ends with its learning rate decayed.
+and CPU-time fractions, so a budgeted run ends with its learning rate decayed. ``wall_minutes`` is the same
+budget in wall time, for a GPU, where CPU time does not measure the work (both are summed over stretches and kept
+in the checkpoint). Under a budget the warm-up also follows the budget's fraction, so a run with a generous
+``steps`` still warms up over the first 5% of its budget.
 """
 
 from __future__ import annotations
@@ -26,14 +29,23 @@ class TrainState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     cpu_s: float = 0.0  # CPU seconds spent in training steps, over all stretches
+    wall_s: float = 0.0  # wall seconds spent in training steps, over all stretches
     log: list[dict[str, float]] = field(default_factory=list)  # one row per checkpoint
 
 
 def schedule(step: int, steps: int, lr: float, progress: float | None = None) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay over ``progress`` (default step / steps)."""
+    """Linear warm-up over the first 5% of the run, then cosine decay. The run's fraction done is
+    ``step / steps``, or ``progress`` (a budget's fraction spent) where that is larger."""
     warmup = max(1, steps // 20)
     frac = step / steps if progress is None else min(1.0, max(progress, step / steps))
-    return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
+    return lr * min(1.0, (frac * steps + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def budget_progress(st: TrainState, cpu_minutes: float | None, wall_minutes: float | None) -> float | None:
+    """The larger fraction spent of the CPU and wall-time budgets given (None without a budget)."""
+    fracs = [spent / (budget * 60) for spent, budget in ((st.cpu_s, cpu_minutes), (st.wall_s, wall_minutes))
+             if budget is not None]
+    return max(fracs) if fracs else None
 
 
 def order(n: int, steps: int, seed: int) -> list[int]:
@@ -49,12 +61,13 @@ def order(n: int, steps: int, seed: int) -> list[int]:
 
 def train(params: Sequence[Any], n_samples: int, loss_at: Callable[[int], Any], *, steps: int, lr: float,
           seed: int, ckpt: str | None = None, every: int = 20, cpu_minutes: float | None = None,
-          minutes: float | None = None,
+          minutes: float | None = None, wall_minutes: float | None = None,
           state_dict: Callable[[], dict[str, Any]] | None = None,
           load_state_dict: Callable[[dict[str, Any]], None] | None = None, desc: str = "training",
           log: Any = print) -> TrainState:
     """Minimise ``loss_at(i)`` (sample i's differentiable loss) over ``steps`` steps (``minutes``: also stop after
-    this much wall time in this stretch, for a time-boxed GPU run). ``state_dict`` /
+    this much wall time in this stretch; ``wall_minutes``: a wall-time budget over all stretches, which the
+    schedule follows like ``cpu_minutes``). ``state_dict`` /
     ``load_state_dict`` save and restore the trained weights with the checkpoint."""
     import torch
     from tqdm import tqdm
@@ -73,7 +86,8 @@ def train(params: Sequence[Any], n_samples: int, loss_at: Callable[[int], Any], 
             if load_state_dict is not None:
                 load_state_dict(raw["weights"])
             opt.load_state_dict(raw["opt"])
-            st = TrainState(int(raw["step"]), list(raw["losses"]), float(raw["cpu_s"]), list(raw["log"]))
+            st = TrainState(step=int(raw["step"]), losses=list(raw["losses"]), cpu_s=float(raw["cpu_s"]),
+                            wall_s=float(raw.get("wall_s", 0.0)), log=list(raw["log"]))
         except Exception as exc:  # noqa: BLE001 - a corrupt checkpoint names itself, never a silent restart
             raise ValueError(f"corrupt training checkpoint {ckpt}: {exc}; delete it to start over") from exc
         log(f"resuming at step {st.step}/{steps} ({st.cpu_s / 60:.1f} CPU-min spent)")
@@ -83,11 +97,11 @@ def train(params: Sequence[Any], n_samples: int, loss_at: Callable[[int], Any], 
     def save() -> None:
         if not ckpt:
             return
-        st.log.append({"step": st.step, "cpu_min": round(st.cpu_s / 60, 2),
+        st.log.append({"step": st.step, "cpu_min": round(st.cpu_s / 60, 2), "wall_min": round(st.wall_s / 60, 2),
                        "loss": statistics.fmean(st.losses[-every:]) if st.losses else float("nan")})
         tmp = ckpt + ".tmp"
         torch.save({"weights": state_dict() if state_dict else {}, "opt": opt.state_dict(), "step": st.step,
-                    "losses": st.losses, "cpu_s": st.cpu_s, "log": st.log}, tmp)
+                    "losses": st.losses, "cpu_s": st.cpu_s, "wall_s": st.wall_s, "log": st.log}, tmp)
         os.replace(tmp, ckpt)
 
     w0 = time.perf_counter()
@@ -95,12 +109,15 @@ def train(params: Sequence[Any], n_samples: int, loss_at: Callable[[int], Any], 
         if cpu_minutes is not None and st.cpu_s >= cpu_minutes * 60:
             log(f"CPU budget of {cpu_minutes} min reached at step {step}")
             break
+        if wall_minutes is not None and st.wall_s >= wall_minutes * 60:
+            log(f"wall-time budget of {wall_minutes} min reached at step {step}")
+            break
         if minutes is not None and time.perf_counter() - w0 >= minutes * 60:
             log(f"{minutes} min of wall time reached at step {step} (this stretch)")
             break
-        c0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = schedule(step, steps, lr, None if cpu_minutes is None else st.cpu_s / (cpu_minutes * 60))
+            g["lr"] = schedule(step, steps, lr, budget_progress(st, cpu_minutes, wall_minutes))
         loss = loss_at(plan[step])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,6 +126,7 @@ def train(params: Sequence[Any], n_samples: int, loss_at: Callable[[int], Any], 
         st.losses.append(float(loss.detach()))
         st.step = step + 1
         st.cpu_s += time.process_time() - c0
+        st.wall_s += time.perf_counter() - t0
         bar.set_postfix(loss=f"{statistics.fmean(st.losses[-20:]):.4f}", cpu_min=f"{st.cpu_s / 60:.1f}")
         if st.step % every == 0:
             save()
