@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (CI has no GPU): everything that needs CUDA, in one command.
+#   0. block adapter arms (issue #32), when a payload is staged (scripts/gpu_payload.sh): SmolLM2 converted from
+#      its GGUF and checked by fingerprint, then one `adapt --block` run per arm on the GPU (background), each
+#      from the shipped adapter over the cached teacher targets, for BLOCK_MIN wall-minutes, then scored on dev;
 #   1. trains demo-model variants on the GPU (background, bf16 autocast, batches from worker processes);
 #   2. builds the CUDA kernels (KVBOOST_CUDA=1) and runs the CUDA kernel tests and the engine-on-CUDA tests;
 #   3. times workload A on the GPU at real scale (random-weight Qwen2.5-0.5B and -7B shapes, bf16).
-# Usage: OUT=dir bash benchmarks/gpu_session.sh. Writes session.log, train_<v>.safetensors and artifacts.tar.gz
-# under $OUT (few files: the device tool returns at most eight). Each stage is time-boxed; a failing stage is
-# logged and the next one still runs. The optional peer (kvboost==0.9.0) is installed from .whl/ when present.
+# Usage: OUT=dir bash benchmarks/gpu_session.sh. Writes session.log, the arms' block_<arm>.safetensors,
+# train_<v>.safetensors and artifacts.tar.gz under $OUT (few files: the device tool returns at most eight). Each
+# stage is time-boxed; a failing stage is logged and the next one still runs. The optional peer (kvboost==0.9.0)
+# is installed from .whl/ when present.
 set -u
 OUT=${OUT:-build/gpu_session}
 PY=${PY:-python3}
 TRAIN_MIN=${TRAIN_MIN:-4.5}
-VARIANTS=${VARIANTS:-"a:4:3e-3 b:6:2e-3"}  # name:layers:peak-lr
+VARIANTS=${VARIANTS-"a:4:3e-3 b:6:2e-3"}  # name:layers:peak-lr
 WORKERS=${WORKERS:-6}  # batch-making processes per variant
-BENCHES=${BENCHES:-"qwen2.5-0.5b:2,4,8:3:100 qwen2.5-7b:8,16,30:2:170"}  # shape:sizes:rounds:max-seconds
+BENCHES=${BENCHES-"qwen2.5-0.5b:2,4,8:3:100 qwen2.5-7b:8,16,30:2:170"}  # shape:sizes:rounds:max-seconds
 DEADLINE=${DEADLINE:-560}  # seconds from the start: later stages shrink or skip to end before it
 DEVICE=${DEVICE:-cuda}  # cpu only for a dry run of this script
+STAGE=${STAGE:-/tmp/kvb_stage}  # where scripts/gpu_payload.sh's parts were copied (p1, p2, ...); none: no arms
+BLOCK_ARMS=${BLOCK_ARMS-"b d"}  # recipes trained side by side (kvboost_rag.app.distill.RECIPES)
+BLOCK_MIN=${BLOCK_MIN:-5}  # wall-minutes of training per arm (the schedule decays over them)
+BLOCK_ARGS=${BLOCK_ARGS:-"--chats 768 --lr 3e-4 --eval --dev-limit 64"}
+KERNELS=${KERNELS:-1}  # 0: skip stage 2
 WORK=build/gpu_work
 mkdir -p "$OUT" "$WORK"
 ART="$WORK/artifacts"
@@ -32,6 +41,37 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# -- 0. block adapter arms, in the background ------------------------------------------------------------------
+arms=()
+if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS" ]; then
+  say "unpacking the payload ($(cat "$STAGE"/p[0-9] | wc -c) bytes in $(ls "$STAGE"/p[0-9] | wc -l) parts)"
+  cat "$STAGE"/p[0-9] | $PY -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$STAGE" 2>>"$LOG" \
+    || say "payload unpack failed"
+  # the payload's transformers (the version this package is tested with) and a package folder that holds the GGUF
+  export PYTHONPATH="$STAGE/site:$STAGE/pkgs${PYTHONPATH:+:$PYTHONPATH}" KVBOOST_CACHE_DIR="$STAGE/cache"
+  if $PY -c "
+import sys
+from kvboost_core import zoo
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+folder = zoo.resolve('smollm2-135m-instruct')
+m = AutoModelForCausalLM.from_pretrained(folder); t = AutoTokenizer.from_pretrained(folder)
+ok = zoo.recognise(m, t) is not None
+print('transformers', transformers.__version__, 'converted', folder, 'fingerprint', 'ok' if ok else 'MISMATCH')
+sys.exit(0 if ok else 1)" >>"$LOG" 2>&1; then
+    for arm in $BLOCK_ARMS; do
+      OMP_NUM_THREADS=2 $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/block_$arm" --data "$STAGE/data" \
+        --recipe "$arm" --steps 1000000 --wall-minutes "$BLOCK_MIN" --device "$DEVICE" \
+        --init kvboost_core/zoo_data/smollm2-135m-instruct-block $BLOCK_ARGS >"$ART/block_$arm.log" 2>&1 &
+      arms+=($!)
+      say "block arm $arm: $BLOCK_MIN wall-min on $DEVICE (pid $!)"
+    done
+  else
+    say "the staged model is not SmolLM2's exact weights (fingerprint): no block arms"
+  fi
+fi
+
 # -- 1. demo-model variants, in the background --------------------------------------------------------------
 pids=()
 for v in $VARIANTS; do
@@ -46,16 +86,18 @@ for v in $VARIANTS; do
 done
 
 # -- 2. CUDA kernels and GPU tests ---------------------------------------------------------------------------
+if [ "$KERNELS" = 1 ]; then
 say "building kvboost_core._C with CUDA"
-KVBOOST_CUDA=1 MAX_JOBS=6 timeout 420 $PY setup.py build_ext --inplace >"$ART/build.log" 2>&1
+KVBOOST_CUDA=1 MAX_JOBS=8 timeout "${BUILD_S:-300}" $PY setup.py build_ext --inplace >"$ART/build.log" 2>&1
 tail -5 "$ART/build.log" >>"$LOG"
 $PY -c "from kvboost_core import kernels; print('kernels backend:', kernels.backend(), kernels.load_error() or '')" \
   >>"$LOG" 2>&1
 say "GPU tests"
-timeout 240 $PY -m pytest -q -ra -p no:cacheprovider tests/test_kernels.py tests/test_engine_cuda.py \
+timeout "${TESTS_S:-150}" $PY -m pytest -q -ra -p no:cacheprovider tests/test_kernels.py tests/test_engine_cuda.py \
   >"$ART/pytest_gpu.log" 2>&1
 say "pytest rc $?"
 tail -25 "$ART/pytest_gpu.log" >>"$LOG"
+fi
 
 # -- 3. wait for training, keep the weights ------------------------------------------------------------------
 for p in "${pids[@]}"; do wait "$p"; done
@@ -68,6 +110,19 @@ for v in $VARIANTS; do
   cp "$WORK/ckpt_$name/demo_model.train.json" "$ART/train_${name}_train.json" 2>>"$LOG"
 done
 say "training done"
+
+# the arms save their adapter before scoring it: at the deadline a still-running arm is stopped, its adapter kept
+alive() { for p in "${arms[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+while (($(date +%s) - t0 < DEADLINE - 20)) && alive; do sleep 5; done
+for p in "${arms[@]}"; do kill -0 "$p" 2>/dev/null && { say "stopping arm pid $p at the deadline"; kill "$p"; }; done
+for arm in $BLOCK_ARMS; do
+  [ -f "$WORK/block_$arm/block.safetensors" ] || continue
+  cp "$WORK/block_$arm/block.safetensors" "$OUT/block_$arm.safetensors"
+  cp "$WORK/block_$arm/block.json" "$ART/block_$arm.json"
+  cp "$WORK/block_$arm/links.safetensors" "$ART/block_${arm}_links.safetensors" 2>/dev/null
+  grep -E "reached|saved to|\"acc\"|answer_kl|diff" "$ART/block_$arm.log" | sed "s/^/block $arm: /" >>"$LOG"
+done
+((${#arms[@]})) && say "block arms done"
 
 # -- 4. workload A on the GPU ----------------------------------------------------------------------------------
 common=(--chat-turns 0 --demo-questions 0 --stories none --device "$DEVICE")
