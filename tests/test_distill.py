@@ -167,3 +167,20 @@ def test_schedule_and_order():
     assert budget_progress(st, 1.0, 2.0) == pytest.approx(0.75)  # the larger fraction spent leads
     with pytest.raises(ValueError, match="lr"):
         train([], 1, lambda i: None, steps=1, lr=0.0, seed=0)
+
+
+def test_a_shard_pickled_before_block_prefill_moved_still_loads(tmp_path, monkeypatch):
+    """Shards written when Run lived in kvboost_core.block_prefill (objects, not tuples) read back as Runs."""
+    import sys
+
+    from kvboost_core.lora import block_prefill
+    from kvboost_core.lora.block_prefill import Run
+
+    runs = [Run(0, 3), Run(3, 7, (5, 6, 7, 8), 0)]
+    monkeypatch.setitem(sys.modules, "kvboost_core.block_prefill", block_prefill)
+    monkeypatch.setattr(Run, "__module__", "kvboost_core.block_prefill")
+    torch.save({"first": 0, "end": 1, "targets": [{"runs": runs}]}, tmp_path / "old.pt")
+    monkeypatch.undo()
+    assert "kvboost_core.block_prefill" not in sys.modules and Run.__module__ == "kvboost_core.lora.block_prefill"
+    raw = distill._read_shard(str(tmp_path / "old.pt"))
+    assert raw["targets"][0]["runs"] == runs

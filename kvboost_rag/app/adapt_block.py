@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "cpu_min": round(st.cpu_s / 60, 2), "wall_min": round(st.wall_s / 60, 2), "rank": args.rank,
                "alpha": args.alpha, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
                "threads": torch.get_num_threads(), "prompt_tokens_median": statistics.median(len(t.ids) for t in targets),
-               "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log, "dev": {}}
+               "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log}
 
     def write(dev: dict[str, Any]) -> str:
         meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead),
