@@ -162,15 +162,16 @@ def student_view(t: Target, extra: Sequence[int], n_links: int) -> tuple[list[in
 def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
                  encoded: dict | None = None, links: torch.Tensor | None = None) -> torch.Tensor:
     """The recipe's loss of the (gated) adapted model under block attention on ``t``: differentiable.
-    ``links``: the link table's rows when ``recipe.links`` > 0."""
+    ``links``: the link table's rows when ``recipe.links`` > 0. Runs the one-pass construction
+    (:mod:`kvboost_core.lora.block_fused`, what training needs) unless :data:`FUSED` is off or ``encoded`` (a dict
+    of reference encodings shared with :func:`~kvboost_core.lora.block_prefill.block_greedy`) is given."""
     import torch
-
-    from kvboost_core.lora.block_prefill import block_hidden
 
     if recipe.links and (links is None or links.shape[0] != recipe.links):
         raise ValueError(f"recipe has {recipe.links} link slots; pass a link table of as many rows")
+    hidden = _hidden_fn(model, lead, t, encoded, links)
     ids, runs, tail = student_view(t, t.answer[:-1], recipe.links)
-    h, _ = block_hidden(model, ids, runs, lead, rows_from=tail, encoded=encoded, links=links)
+    h = hidden(ids, runs, tail)
     first = 0 if recipe.rows == "dense" else t.rows - t.answer_rows
     h = h[first:]
     s_logp = torch.log_softmax(model.lm_head(h).float(), -1)
@@ -181,11 +182,28 @@ def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
         loss = loss + recipe.hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
     if recipe.gold_weight and t.gold:
         gids, gruns, _ = student_view(t, t.gold[:-1], recipe.links)
-        hg, _ = block_hidden(model, gids, gruns, lead, rows_from=len(gids) - len(t.gold), encoded=encoded,
-                             links=links)
+        hg = hidden(gids, gruns, len(gids) - len(t.gold))
         ce = torch.nn.functional.cross_entropy(model.lm_head(hg).float(), torch.tensor(t.gold, device=hg.device))
         loss = loss + recipe.gold_weight * ce
     return loss
+
+
+FUSED = True  # student_loss's construction: the one-pass block_fused (off: block_prefill's run-by-run reference)
+
+
+def _hidden_fn(model: Any, lead: Sequence[int], t: Target, encoded: dict | None, links: torch.Tensor | None
+               ) -> Callable[[list[int], list[Run], int], torch.Tensor]:
+    """hidden(ids, runs, rows_from) -> (n_out, d) under block attention, the documents encoded once for all calls."""
+    from kvboost_core.lora.block_fused import encode_stacked, fused_block_hidden
+    from kvboost_core.lora.block_prefill import block_hidden
+
+    if FUSED and encoded is None:
+        docs = encode_stacked(model, [r.doc for r in t.runs if r.doc is not None], lead)
+        return lambda ids, runs, rows_from: fused_block_hidden(model, ids, runs, lead, rows_from=rows_from,
+                                                               docs=docs, links=links)
+    shared = {} if encoded is None else encoded
+    return lambda ids, runs, rows_from: block_hidden(model, ids, runs, lead, rows_from=rows_from,
+                                                     encoded=shared, links=links)[0]
 
 
 # ---- targets on disk ------------------------------------------------------------------------------------------
