@@ -37,6 +37,10 @@ def _cpu_flags() -> list[str]:
     return list(_jit_module().cpu_flags())
 
 
+def _link_flags() -> list[str]:
+    return list(_jit_module().link_flags())
+
+
 class BuildPyWithSources(build_py):
     """Copy the C++ sources into the package (kvboost_core/_csrc) so an install without the compiled
     extension can still build it on first use."""
@@ -80,9 +84,9 @@ def _extensions() -> tuple[list, dict]:
                 "-gencode=arch=compute_90,code=sm_90"]
         ext = CUDAExtension("kvboost_core._C", sources, define_macros=[("KVBOOST_WITH_CUDA", None)],
                             extra_compile_args={"cxx": cxx + ["-DKVBOOST_WITH_CUDA"], "nvcc": nvcc},
-                            extra_link_args=["-fopenmp"])
+                            extra_link_args=_link_flags())
     else:
-        ext = CppExtension("kvboost_core._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+        ext = CppExtension("kvboost_core._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=_link_flags())
 
     class OptionalBuildExt(BuildExtension):
         """Any compile/link failure leaves a working pure-Python install instead of a failed one."""

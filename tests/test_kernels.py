@@ -243,6 +243,17 @@ def test_quantize_kv_errors_match(bad, msg):
         t.zero_()
 
 
+@needs_ext
+def test_native_errors_keep_their_numbers():
+    """An argument error formatted inside the extension reaches Python whole. A second C++ runtime in the
+    extension (a compiler driver that links libstdc++ statically) formats it with an uninitialised locale and drops
+    the numbers here, and crashed the process on the first lent GPU image (kernels.jit.link_flags)."""
+    with pytest.raises(ValueError, match=r"bits must be 8 or 4, got 3$"):
+        torch.ops.kvboost.quantize_kv(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 3, 4)
+    with pytest.raises(ValueError, match=r"source tokens \[5, 11\) out of range for a payload of 10 tokens"):
+        ops.place_block(_payload(1, 2, 10, 16, 8, 16, 0), 5, 6, *_buffers(1, 2, 20, 16, torch.float32), 0, None, None)
+
+
 # -- blend_select --------------------------------------------------------------------------------------------
 @needs_ext
 @pytest.mark.parametrize("seed", range(8))

@@ -50,6 +50,19 @@ def cpu_flags() -> list[str]:
     return flags
 
 
+def link_flags() -> list[str]:
+    """Linker flags of the extension (setup.py uses these too).
+
+    ``-lstdc++`` before the compiler driver's own libraries: the extension must share libtorch's dynamic
+    libstdc++. A driver that links it statically (``-static-libstdc++``, as the lent GPU image's
+    /opt/gcc/bin/g++ does) gives the extension a second C++ runtime: the first argument error a kernel raises
+    then crashes the process (SIGSEGV there) or loses the numbers from its message (here), because the error is
+    formatted and thrown with one runtime and caught by libtorch's. Asked for first, the shared library provides
+    every symbol and the static archive adds nothing.
+    """
+    return ["-fopenmp", "-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"]
+
+
 def source_dir() -> Path | None:
     for d in SOURCE_DIRS:
         if (d / "bindings.cpp").is_file() and any((d / "cpu").glob("*.cpp")):
@@ -136,7 +149,7 @@ def build() -> Any:
             if stale.exists():
                 stale.unlink()
             path = cpp_extension.load(name=MODULE_NAME, sources=[str(s) for s in sources(root)],
-                                      extra_cflags=cpu_flags(), extra_ldflags=["-fopenmp"],
+                                      extra_cflags=cpu_flags(), extra_ldflags=link_flags(),
                                       extra_include_paths=[str(root)], build_directory=str(out),
                                       is_python_module=False, verbose=False)
         finally:
