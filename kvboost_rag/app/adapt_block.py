@@ -163,6 +163,16 @@ def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[i
     lora.load_state_dict({k: t.to(torch.float32) for k, t in load_file(os.path.join(directory, WEIGHTS)).items()})
 
 
+def load_links(directory: str, device: str) -> Any:
+    """The link table's rows (n, d) saved beside a block adapter (``links.safetensors``)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(os.path.join(directory, LINKS_FILE))[LINKS_KEY].float().to(device)
+    except KeyError as exc:
+        raise ValueError(f"{directory!r}: {LINKS_FILE} holds no {LINKS_KEY!r} table") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kvboost_rag.app import distill
 
@@ -187,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-only", action="store_true", help="compute teacher targets, then stop")
     ap.add_argument("--init", default=None, help="start from this block adapter's weights (same rank and alpha)")
     ap.add_argument("--eval-only", action="store_true", help="score --init (or the base model) on dev; no training")
+    ap.add_argument("--adapted-only", action="store_true", help="with --eval-only: score the adapter only, not also "
+                    "the base weights under block attention")
     ap.add_argument("--nodoc", action="store_true", help="with --eval/--eval-only: also the 64 questions without "
                     "documents, base vs adapted (kvboost_rag.app.nodoc)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1 ...")
@@ -205,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
     if args.init and not os.path.isfile(os.path.join(args.init, "block.json")):
         ap.error(f"--init {args.init!r} holds no block.json (a directory `kvboost-rag adapt --block` wrote)")
-    if args.init and os.path.isfile(os.path.join(args.init, LINKS_FILE)):  # its link table would be dropped
+    init_links = bool(args.init) and os.path.isfile(os.path.join(args.init, LINKS_FILE))
+    if init_links and not args.eval_only:  # its link table would be dropped
         ap.error(f"--init {args.init!r} has link slots ({LINKS_FILE}); starting from one is not supported yet")
     from kvboost_rag.app.loading import load_rag
 
@@ -247,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in engine.model.parameters():
         p.requires_grad_(False)
     if args.eval_only:
-        scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=(True, None) if args.init else (None,))
+        gates: tuple[bool | None, ...] = ((True,) if args.adapted_only else (True, None)) if args.init else (None,)
+        rows = load_links(args.init, args.device) if init_links else None
+        scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=gates, links=rows)
         scores["adapter"] = args.init
         if args.nodoc:
             scores["nodoc"] = nodoc_scores(rag, lora)
