@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvboost_core.chunking import common_prefix
 from kvboost_core.kernels.ops import place_block
 from kvboost_core.keys import CacheKey, Fingerprint, content_key, prefix_key, root_key
 from kvboost_core.rope import delta_cos_sin
@@ -82,15 +83,6 @@ def plan_chunks(segments: Sequence[TokenizedSegment], spans_of: Callable[[Sequen
     return chunks
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _runs(mask: list[bool]) -> list[tuple[int, int]]:
     """Maximal [a, b) runs of True."""
     runs, start = [], None
@@ -135,7 +127,7 @@ def lookup(store: KVStore, segments: Sequence[TokenizedSegment], chunks: Sequenc
             cand = store.get(child)
             if cand is None or cand.kind not in kinds or cand.base_position != ch.start or cand.parent != parent:
                 continue
-            n = _common_prefix(cand.token_ids, ids[ch.start:])
+            n = common_prefix(cand.token_ids, ids[ch.start:])
             if n > best_n and cand.context_digest == chain_digest(digest, cand.token_ids):
                 best, best_n = cand, n
         if best is not None and best_n > 0:

@@ -1,4 +1,4 @@
-"""Chunk boundaries within one segment.
+"""Chunk boundaries within one segment, and the shared leading run of two id sequences.
 
 Cuts fall every ``chunk_size`` tokens, each allowed to slide up to ``boundary_window`` tokens to the nearest
 sentence or line end, so that a chunk tends to hold whole sentences. Chunking depends only on the segment's
@@ -51,3 +51,14 @@ def chunk_spans(ids: Sequence[int], chunk_size: int, window: int,
         spans.append((start, cut))
         start = cut
     return spans
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share (a chunk's stored ids against the prompt's, a baseline's
+    cached sequence against a new prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

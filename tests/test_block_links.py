@@ -79,3 +79,18 @@ def test_engine_refuses_an_adapter_with_links(tmp_path, tokenizer):
     (tmp_path / "links.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match="link slots"):
         engine_for(make_tiny_model("llama"), tokenizer, block_adapter=str(tmp_path))
+
+
+def test_link_table_file_round_trip_and_clear_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    from kvboost_core.lora.block_links import LINKS_FILE, load_table, save_table
+
+    table = torch.randn(4, 8)
+    save_table(str(tmp_path), table)
+    assert torch.equal(load_table(str(tmp_path)), table)
+    with pytest.raises(ValueError, match="has no link table"):
+        load_table(str(tmp_path / "missing"))
+    save_file({"other": torch.zeros(4, 8)}, str(tmp_path / LINKS_FILE))
+    with pytest.raises(ValueError, match="holds no"):
+        load_table(str(tmp_path))

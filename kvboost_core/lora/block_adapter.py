@@ -30,11 +30,12 @@ import torch
 import xxhash
 
 from kvboost_core.lora import lora_file
+from kvboost_core.lora.block_links import LINKS_FILE
 from kvboost_core.lora.lora_file import TARGETS, LoraFiles, LoraHeader, target_linears  # noqa: F401  (re-exported)
 
 FILES = LoraFiles("block_adapter", "block.safetensors", "block.json", "kvboost-rag adapt --block")
 WEIGHTS, META = FILES.weights, FILES.meta
-LINKS = "links.safetensors"  # a link-slot table (kvboost_core.lora.block_links) the engine cannot serve yet
+LINKS = LINKS_FILE  # a link-slot table (kvboost_core.lora.block_links) the engine cannot serve yet
 
 
 @dataclass(slots=True)
@@ -76,6 +77,23 @@ def save(directory: str, tensors: dict[str, torch.Tensor], meta: BlockMeta) -> s
 def file_fingerprint(directory: str) -> str:
     """The fingerprint of the adapter saved in ``directory`` (its files' bytes: :func:`lora_file.fingerprint`)."""
     return lora_file.fingerprint(FILES, directory)
+
+
+def read_meta(directory: str, base_fingerprint: str, warm_prefix: Sequence[int]) -> BlockMeta:
+    """``block.json`` of the adapter in ``directory``, refused when it was trained on another base model or behind
+    another lead-in (what serving and a warm start of training both require)."""
+    meta = lora_file.read_meta(FILES, directory, BlockMeta.from_json)
+    lora_file.check_base(FILES, directory, meta.base_fingerprint, base_fingerprint)
+    if tuple(warm_prefix) != meta.warm_prefix:
+        raise ValueError(f"block_adapter: {directory!r} was trained with documents behind the lead-in "
+                         f"{list(meta.warm_prefix)[:8]}..., this engine warms behind {list(warm_prefix)[:8]}...; "
+                         "use the warm_prefix it was trained with")
+    return meta
+
+
+def read_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the adapter in ``directory`` (names checked against its metadata when merged)."""
+    return lora_file.read_weights(FILES, directory)
 
 
 class BlockAdapter:
@@ -124,13 +142,8 @@ class BlockAdapter:
     @classmethod
     def load(cls, model: Any, directory: str, base_fingerprint: str, warm_prefix: Sequence[int]) -> BlockAdapter:
         """Merge the adapter saved in ``directory`` into ``model``; refuse one of another base model or lead-in."""
-        meta = lora_file.read_meta(FILES, directory, BlockMeta.from_json)
-        lora_file.check_base(FILES, directory, meta.base_fingerprint, base_fingerprint)
-        if tuple(warm_prefix) != meta.warm_prefix:
-            raise ValueError(f"block_adapter: {directory!r} was trained with documents behind the lead-in "
-                             f"{list(meta.warm_prefix)[:8]}..., this engine warms behind {list(warm_prefix)[:8]}...; "
-                             "use the warm_prefix it was trained with")
+        meta = read_meta(directory, base_fingerprint, warm_prefix)
         if os.path.isfile(os.path.join(directory, LINKS)):
             raise ValueError(f"block_adapter: {directory!r} has link slots ({LINKS}), which the engine "
                              "cannot serve yet; measure it with `kvboost-rag adapt --block --eval-only --init DIR`")
-        return cls(model, meta, lora_file.read_weights(FILES, directory), file_fingerprint(directory))
+        return cls(model, meta, read_weights(directory), file_fingerprint(directory))

@@ -14,12 +14,16 @@ the HF construction only (issue #32).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from kvboost_core.lora.block_prefill import Run
+
+LINKS_FILE = "links.safetensors"  # beside block.safetensors; kvboost_core.lora.block_adapter refuses to serve past it
+LINKS_KEY = "links.table"
 
 
 def insert_links(ids: Sequence[int], runs: Sequence[Run], n: int, fill_id: int) -> tuple[list[int], list[Run]]:
@@ -69,3 +73,23 @@ class LinkTable(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.table
+
+
+def save_table(directory: str, table: torch.Tensor) -> None:
+    """Write the link table (n, d) as ``links.safetensors`` in an adapter directory."""
+    from safetensors.torch import save_file
+
+    save_file({LINKS_KEY: table.detach().float().cpu().contiguous()}, os.path.join(directory, LINKS_FILE))
+
+
+def load_table(directory: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The link table (n, d) saved in an adapter directory; a clear error for a missing or foreign file."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, LINKS_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory!r} has no link table ({LINKS_FILE})")
+    tensors = load_file(path)
+    if LINKS_KEY not in tensors or tensors[LINKS_KEY].dim() != 2:
+        raise ValueError(f"{path!r} holds no (n, d) {LINKS_KEY!r} table")
+    return tensors[LINKS_KEY].float().to(device)

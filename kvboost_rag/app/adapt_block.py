@@ -40,8 +40,6 @@ from kvboost_rag.app.block_reference import block_plan
 from kvboost_rag.app.cli_util import positive_int
 
 DEV_K = 12
-LINKS_KEY = "links.table"
-LINKS_FILE = "links.safetensors"  # kvboost_core.lora.block_adapter refuses an adapter directory that holds one
 
 
 def register(rag: Any, texts: Sequence[str]) -> None:
@@ -150,27 +148,13 @@ def nodoc_scores(rag: Any, lora: Any) -> dict[str, Any]:
 def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[int], rank: int, alpha: float) -> None:
     """Load a saved block adapter's LoRA weights into ``lora`` (a warm start); refuse a mismatched one."""
     import torch
-    from safetensors.torch import load_file
 
-    from kvboost_core.lora.block_adapter import META, WEIGHTS, BlockMeta
+    from kvboost_core.lora import block_adapter
 
-    with open(os.path.join(directory, META)) as f:
-        meta = BlockMeta.from_json(json.load(f))
-    if meta.base_fingerprint != base_fingerprint or tuple(lead) != meta.warm_prefix:
-        raise ValueError(f"--init {directory!r} was trained on another base model or lead-in")
+    meta = block_adapter.read_meta(directory, base_fingerprint, lead)
     if (meta.rank, meta.alpha) != (rank, alpha):
         raise ValueError(f"--init {directory!r} has rank/alpha {meta.rank}/{meta.alpha}, this run {rank}/{alpha}")
-    lora.load_state_dict({k: t.to(torch.float32) for k, t in load_file(os.path.join(directory, WEIGHTS)).items()})
-
-
-def load_links(directory: str, device: str) -> Any:
-    """The link table's rows (n, d) saved beside a block adapter (``links.safetensors``)."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(os.path.join(directory, LINKS_FILE))[LINKS_KEY].float().to(device)
-    except KeyError as exc:
-        raise ValueError(f"{directory!r}: {LINKS_FILE} holds no {LINKS_KEY!r} table") from exc
+    lora.load_state_dict({k: t.to(torch.float32) for k, t in block_adapter.read_weights(directory).items()})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,9 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
     if args.init and not os.path.isfile(os.path.join(args.init, "block.json")):
         ap.error(f"--init {args.init!r} holds no block.json (a directory `kvboost-rag adapt --block` wrote)")
-    init_links = bool(args.init) and os.path.isfile(os.path.join(args.init, LINKS_FILE))
+    from kvboost_core.lora import block_links
+
+    init_links = bool(args.init) and os.path.isfile(os.path.join(args.init, block_links.LINKS_FILE))
     if init_links and not args.eval_only:  # its link table would be dropped
-        ap.error(f"--init {args.init!r} has link slots ({LINKS_FILE}); starting from one is not supported yet")
+        ap.error(f"--init {args.init!r} has link slots ({block_links.LINKS_FILE}); starting from one is not "
+                 "supported yet")
     from kvboost_rag.app.loading import load_rag
 
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
@@ -261,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.requires_grad_(False)
     if args.eval_only:
         gates: tuple[bool | None, ...] = ((True,) if args.adapted_only else (True, None)) if args.init else (None,)
-        rows = load_links(args.init, args.device) if init_links else None
+        rows = block_links.load_table(args.init, args.device) if init_links else None
         scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=gates, links=rows)
         scores["adapter"] = args.init
         if args.nodoc:
@@ -273,18 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe = distill.RECIPES[args.recipe]
     table = None
     if recipe.links:
-        from kvboost_core.lora.block_links import LinkTable
-
-        table = LinkTable(engine.model, recipe.links, engine.encode("\n")[-1], args.seed).to(args.device)
+        table = block_links.LinkTable(engine.model, recipe.links, engine.encode("\n")[-1], args.seed).to(args.device)
     params = lora.parameters() + ([table.table] if table is not None else [])
 
     def weights() -> dict[str, Any]:
-        return {**lora.state_dict(), **({LINKS_KEY: table.table.detach().cpu()} if table is not None else {})}
+        return {**lora.state_dict(), **({block_links.LINKS_KEY: table.table.detach().cpu()} if table is not None else {})}
 
     def load_weights(tensors: dict[str, Any]) -> None:
         if table is not None:
             with torch.no_grad():
-                table.table.copy_(tensors.pop(LINKS_KEY))
+                table.table.copy_(tensors.pop(block_links.LINKS_KEY))
         lora.load_state_dict(tensors)
 
     def loss_at(i: int) -> Any:
@@ -310,9 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fp = write({})  # saved before scoring, so a run stopped while it scores keeps its weights
     if table is not None:  # the engine cannot serve link slots yet: a separate file it refuses to load past
-        from safetensors.torch import save_file
-
-        save_file({LINKS_KEY: table.table.detach().cpu().contiguous()}, os.path.join(args.out, LINKS_FILE))
+        block_links.save_table(args.out, table.table)
     if args.eval:
         with torch.no_grad():
             rows = table().detach() if table is not None else None

@@ -9,17 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
+from kvboost_core.chunking import common_prefix
+
+__all__ = ["common_prefix", "longest_prefix"]
+
 T = TypeVar("T")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def longest_prefix(entries: Iterable[tuple[Sequence[int], T]], ids: Sequence[int]) -> tuple[int, T | None]:
