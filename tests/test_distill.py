@@ -106,6 +106,27 @@ def test_shards_resume_and_a_corrupt_shard_names_itself(setup, tmp_path, monkeyp
         distill.load_targets(str(tmp_path))
 
 
+def test_workers_fill_one_directory_side_by_side(setup, tmp_path, monkeypatch):
+    model, _, ids, runs = setup
+    monkeypatch.setattr(distill, "SHARD", 2)
+    made: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def maker(w):
+        def make(i):
+            made[w].append(i)
+            return distill.teacher_target(model, ids, runs, 2, set()) if i != 3 else None  # None: chat skipped
+        return make
+
+    quiet = {"log": lambda *_: None}
+    assert distill.build_targets(str(tmp_path), 7, maker(0), worker=(0, 2), **quiet) == []
+    assert distill.build_targets(str(tmp_path), 7, maker(1), worker=(1, 2), **quiet) == []
+    assert made[0] == [0, 1, 4, 5] and made[1] == [2, 3, 6]  # shards 0, 2 and 1, 3
+    got = distill.build_targets(str(tmp_path), 7, maker(2), **quiet)
+    assert made[2] == [] and len(got) == 6  # every shard complete: read, none recomputed
+    with pytest.raises(ValueError, match="worker must be"):
+        distill.build_targets(str(tmp_path), 7, maker(2), worker=(2, 2), **quiet)
+
+
 def _fresh_lora(seed=0):
     model = make_tiny_model("llama")
     torch.manual_seed(seed)

@@ -97,26 +97,26 @@ def fused_block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead
         raise ValueError(f"runs cover {covered} positions but ids has {n}")
     runs = [*runs, Run(covered, n)] if covered < n else list(runs)
     placed = [r for r in runs if r.doc is not None]
-    if not placed:
-        raise ValueError("runs place no document: use the model's plain forward")
-    if docs is None:
-        docs = encode_stacked(model, [r.doc for r in placed], lead)  # type: ignore[misc]
-    missing = [r.doc for r in placed if r.doc not in docs.row]
-    if missing:
-        raise ValueError(f"docs lacks {len(missing)} of this prompt's documents; encode them with encode_stacked")
-    device = docs.keys.device
-    # placed tokens: batch row, isolated index, prompt position  (P,)
-    brow = torch.tensor([docs.row[r.doc] for r in placed for _ in range(r.end - r.start)],  # type: ignore[index]
-                        device=device)
-    src = torch.tensor([docs.lead + r.offset + i for r in placed for i in range(r.end - r.start)], device=device)
-    ppos = torch.tensor([p for r in placed for p in range(r.start, r.end)], device=device)
-    cos, sin = _delta_cos_sin(model, ppos - src)
-    # two advanced indices around a slice: the index dim goes first, (P, L, H, D) -> (L, H, P, D)
-    keys = _rerotate(docs.keys[:, brow, :, src].permute(1, 2, 0, 3), cos, sin)
-    values = docs.values[:, brow, :, src].permute(1, 2, 0, 3)
+    device = next(model.parameters()).device
     cache = DynamicCache()
-    for layer in range(keys.shape[0]):
-        cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)
+    ppos = torch.zeros(0, dtype=torch.long, device=device)
+    if placed:  # (with none, this is the model's plain causal forward)
+        if docs is None:
+            docs = encode_stacked(model, [r.doc for r in placed], lead)  # type: ignore[misc]
+        missing = [r.doc for r in placed if r.doc not in docs.row]
+        if missing:
+            raise ValueError(f"docs lacks {len(missing)} of this prompt's documents; encode them with encode_stacked")
+        # placed tokens: batch row, isolated index, prompt position  (P,)
+        brow = torch.tensor([docs.row[r.doc] for r in placed for _ in range(r.end - r.start)],  # type: ignore[index]
+                            device=device)
+        src = torch.tensor([docs.lead + r.offset + i for r in placed for i in range(r.end - r.start)], device=device)
+        ppos = torch.tensor([p for r in placed for p in range(r.start, r.end)], device=device)
+        cos, sin = _delta_cos_sin(model, ppos - src)
+        # two advanced indices around a slice: the index dim goes first, (P, L, H, D) -> (L, H, P, D)
+        keys = _rerotate(docs.keys[:, brow, :, src].permute(1, 2, 0, 3), cos, sin)
+        values = docs.values[:, brow, :, src].permute(1, 2, 0, 3)
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)
 
     computed = [r for r in runs if r.doc is None]
     cpos = torch.tensor([p for r in computed for p in range(r.start, r.end)], device=device)  # (C,)

@@ -157,6 +157,17 @@ def init_from(lora: Any, directory: str, base_fingerprint: str, lead: Sequence[i
     lora.load_state_dict({k: t.to(torch.float32) for k, t in block_adapter.read_weights(directory).items()})
 
 
+def _worker(text: str) -> tuple[int, int]:
+    """``W/N`` -> (W, N) with 0 <= W < N."""
+    try:
+        w, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W/N such as 0/4, got {text!r}") from None
+    if not 0 <= w < n:
+        raise argparse.ArgumentTypeError(f"expected 0 <= W < N, got {text!r}")
+    return w, n
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kvboost_rag.app import distill
 
@@ -179,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--eval", action="store_true", help="score the dev split at the end")
     ap.add_argument("--dev-limit", type=positive_int, default=None, help="score N dev questions, spread evenly over the split")
     ap.add_argument("--data-only", action="store_true", help="compute teacher targets, then stop")
+    ap.add_argument("--data-worker", type=_worker, default=(0, 1), metavar="W/N",
+                    help="with --data-only: compute every N-th shard of the targets from the W-th (0-based), so N "
+                    "processes fill --data side by side")
     ap.add_argument("--init", default=None, help="start from this block adapter's weights (same rank and alpha)")
     ap.add_argument("--eval-only", action="store_true", help="score --init (or the base model) on dev; no training")
     ap.add_argument("--adapted-only", action="store_true", help="with --eval-only: score the adapter only, not also "
@@ -193,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     args = ap.parse_args(argv)
+    if args.data_worker != (0, 1) and not args.data_only:
+        ap.error("--data-worker needs --data-only (a worker computes a part of the targets and stops)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr must be a number > 0, got {args.lr!r}")
     for flag in ("cpu_minutes", "minutes", "wall_minutes"):
@@ -232,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = chats[i]
         return chat_target(rag, c.messages, c.docs, args.max_new_tokens, c.kind, c.gold)
 
-    targets = [] if args.eval_only else distill.build_targets(os.path.join(data, "train"), len(chats), make)
+    targets = [] if args.eval_only else distill.build_targets(os.path.join(data, "train"), len(chats), make,
+                                                              worker=args.data_worker)
     scored = args.eval or args.eval_only
     dev = dev_targets(rag, os.path.join(data, "dev"), args.max_new_tokens, limit=args.dev_limit) if scored else []
     data_cpu = time.process_time() - c0

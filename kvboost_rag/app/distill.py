@@ -198,7 +198,8 @@ def _hidden_fn(model: Any, lead: Sequence[int], t: Target, encoded: dict | None,
     from kvboost_core.lora.block_prefill import block_hidden
 
     if FUSED and encoded is None:
-        docs = encode_stacked(model, [r.doc for r in t.runs if r.doc is not None], lead)
+        placed = [r.doc for r in t.runs if r.doc is not None]
+        docs = encode_stacked(model, placed, lead) if placed else None
         return lambda ids, runs, rows_from: fused_block_hidden(model, ids, runs, lead, rows_from=rows_from,
                                                                docs=docs, links=links)
     shared = {} if encoded is None else encoded
@@ -268,31 +269,43 @@ def load_targets(root: str, limit: int | None = None) -> list[Target]:
     return out[:limit] if limit is not None else out
 
 
-def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: Any = print) -> list[Target]:
+def build_targets(root: str, n: int, make: Callable[[int], Target | None], log: Any = print,
+                  worker: tuple[int, int] = (0, 1)) -> list[Target]:
     """Targets of chats ``0..n-1`` (``make(i)``; None skips a chat) in shards of :data:`SHARD` chats under
-    ``root``. A shard records the chats it covers: complete shards are kept, a short last one (an earlier,
-    smaller ``n``) is redone, so a killed or extended run resumes where it stopped. Returns the targets (at most
-    ``n``), read once from the shards."""
+    ``root``. A shard records the chats it covers: complete shards are kept, a missing or short one (an earlier,
+    smaller ``n``) is computed, so a killed or extended run resumes where it stopped. Returns the targets (at most
+    ``n``), read once from the shards. ``worker=(w, W)``: compute only the shards ``s`` with ``s % W == w`` and
+    return nothing, so W processes (on a GPU: one model each) fill one directory side by side; a later call with
+    the default reads them all."""
     import torch
     from tqdm import tqdm
 
+    w, n_workers = worker
+    if not (n_workers >= 1 and 0 <= w < n_workers):
+        raise ValueError(f"worker must be (w, W) with 0 <= w < W, got {worker}")
     os.makedirs(root, exist_ok=True)
-    first = 0
-    while first < n and os.path.isfile(shard_path(root, first // SHARD)):
-        if _read_shard(shard_path(root, first // SHARD))["end"] < min(first + SHARD, n):
-            break  # a short shard: redo it
-        first += SHARD
-    if first:
-        log(f"teacher targets: resuming at chat {min(first, n)}/{n}")
+    shards = range(-(-n // SHARD))
+    todo = [s for s in shards if s % n_workers == w and not _complete(root, s, min((s + 1) * SHARD, n))]
+    done = sum(min((s + 1) * SHARD, n) - s * SHARD for s in shards if s % n_workers == w and s not in todo)
+    if done:
+        log(f"teacher targets: {done} of {n} chats already under {root}")
     t0 = time.process_time()
-    bar = tqdm(total=n, initial=min(first, n), desc="teacher targets", mininterval=30)
-    for start in range(first, n, SHARD):
-        end = min(start + SHARD, n)
+    bar = tqdm(total=n, initial=done, desc="teacher targets", mininterval=30)
+    for s in todo:
+        start, end = s * SHARD, min((s + 1) * SHARD, n)
         shard = [_to_dict(t) for t in (make(i) for i in range(start, end)) if t is not None]
-        tmp = shard_path(root, start // SHARD) + ".tmp"
+        tmp = shard_path(root, s) + ".tmp"
         torch.save({"first": start, "end": end, "targets": shard}, tmp)
-        os.replace(tmp, shard_path(root, start // SHARD))
+        os.replace(tmp, shard_path(root, s))
         bar.update(end - start)
     bar.close()
     log(f"teacher targets: {n} chats under {root} ({time.process_time() - t0:.0f} CPU-s this run)")
+    if n_workers > 1:
+        return []
     return load_targets(root, n)
+
+
+def _complete(root: str, s: int, end: int) -> bool:
+    """Shard ``s`` exists and covers its chats up to ``end``."""
+    path = shard_path(root, s)
+    return os.path.isfile(path) and _read_shard(path)["end"] >= end
