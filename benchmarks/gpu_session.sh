@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (CI has no GPU): everything that needs CUDA, in one command.
 #   0. block adapter arms (issue #32), when a payload is staged (scripts/gpu_payload.sh): SmolLM2 converted from
-#      its GGUF and checked by fingerprint, then one `adapt --block` run per arm on the GPU (background), each
-#      from the shipped adapter over the cached teacher targets, for BLOCK_MIN wall-minutes, then scored on dev;
+#      its GGUF and checked by fingerprint; with BLOCK_DATA, the teacher targets of that many chats computed here by
+#      parallel workers; then one `adapt --block` run per arm on the GPU (background), each from the shipped
+#      adapter (or its own init) over the teacher targets, for BLOCK_MIN wall-minutes, then scored on dev. A call
+#      is at most 10 minutes: compute the targets in one call (BLOCK_ARMS="" KERNELS=0) and train in the next;
 #   1. trains demo-model variants on the GPU (background, bf16 autocast, batches from worker processes);
 #   2. builds the CUDA kernels (KVBOOST_CUDA=1) and runs the CUDA kernel tests and the engine-on-CUDA tests;
 #   3. times workload A on the GPU at real scale (random-weight Qwen2.5-0.5B and -7B shapes, bf16).
@@ -23,7 +25,12 @@ STAGE=${STAGE:-/tmp/kvb_stage}  # where scripts/gpu_payload.sh's parts were copi
 BLOCK_ARMS=${BLOCK_ARMS-"b d"}  # arms trained side by side: recipe[:init] (kvboost_rag.app.distill.RECIPES; init: an
 # adapter directory to start from, default the shipped one)
 BLOCK_MIN=${BLOCK_MIN:-5}  # wall-minutes of training per arm (the schedule decays over them)
-BLOCK_ARGS=${BLOCK_ARGS:-"--chats 768 --lr 3e-4 --eval --dev-limit 64"}
+BLOCK_ARGS=${BLOCK_ARGS:-"--lr 3e-4 --eval --dev-limit 64"}
+BLOCK_CHATS=${BLOCK_CHATS:-768}  # training chats of the staged data/ (BLOCK_DATA's when that is set)
+BLOCK_DATA=${BLOCK_DATA:-}  # N: compute the teacher targets of N training chats here (DATA_WORKERS processes side by
+# side, resumable: a second call finds the shards done), and train the arms on them instead of the staged data/
+DATA_WORKERS=${DATA_WORKERS:-12}
+DATA_S=${DATA_S:-240}  # at most this long for the targets; the arms wait for them
 KERNELS=${KERNELS:-1}  # 0: skip stage 2
 WORK=build/gpu_work
 mkdir -p "$OUT" "$WORK"
@@ -44,7 +51,7 @@ fi
 
 # -- 0. block adapter arms, in the background ------------------------------------------------------------------
 arms=()
-if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS" ]; then
+if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS$BLOCK_DATA" ]; then
   say "unpacking the payload ($(cat "$STAGE"/p[0-9] | wc -c) bytes in $(ls "$STAGE"/p[0-9] | wc -l) parts)"
   cat "$STAGE"/p[0-9] | $PY -c "import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$STAGE" 2>>"$LOG" \
@@ -61,12 +68,28 @@ m = AutoModelForCausalLM.from_pretrained(folder); t = AutoTokenizer.from_pretrai
 ok = zoo.recognise(m, t) is not None
 print('transformers', transformers.__version__, 'converted', folder, 'fingerprint', 'ok' if ok else 'MISMATCH')
 sys.exit(0 if ok else 1)" >>"$LOG" 2>&1; then
+    data="$STAGE/data"
+    if [ -n "$BLOCK_DATA" ]; then
+      data="$STAGE/gen"
+      say "teacher targets of $BLOCK_DATA chats: $DATA_WORKERS workers, at most ${DATA_S}s"
+      workers=()
+      for ((w = 0; w < DATA_WORKERS; w++)); do
+        extra=()
+        ((w == 0)) && extra=(--eval --dev-limit 64)  # one worker also computes the dev targets
+        OMP_NUM_THREADS=1 timeout "$DATA_S" $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/data_w$w" \
+          --data "$data" --chats "$BLOCK_DATA" --data-only --data-worker "$w/$DATA_WORKERS" --device "$DEVICE" \
+          "${extra[@]}" >"$ART/data_w$w.log" 2>&1 &
+        workers+=($!)
+      done
+      for p in "${workers[@]}"; do wait "$p"; done
+      say "teacher targets: $(ls "$data"/train/targets-*.pt 2>/dev/null | wc -l) shards; worker 0: $(tail -c 300 "$ART/data_w0.log" | tr '\r' '\n' | tail -1)"
+    fi
     for spec in $BLOCK_ARMS; do
       arm=${spec%%:*}
       init=kvboost_core/zoo_data/smollm2-135m-instruct-block
       [ "$spec" != "$arm" ] && init=${spec#*:}
-      OMP_NUM_THREADS=2 $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/block_$arm" --data "$STAGE/data" \
-        --recipe "$arm" --steps 1000000 --wall-minutes "$BLOCK_MIN" --device "$DEVICE" \
+      OMP_NUM_THREADS=2 $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/block_$arm" --data "$data" \
+        --recipe "$arm" --chats "${BLOCK_DATA:-$BLOCK_CHATS}" --steps 1000000 --wall-minutes "$BLOCK_MIN" --device "$DEVICE" \
         --init "$init" $BLOCK_ARGS >"$ART/block_$arm.log" 2>&1 &
       arms+=($!)
       say "block arm $arm from $init: $BLOCK_MIN wall-min on $DEVICE (pid $!)"

