@@ -8,7 +8,7 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for
 
-from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, LoraHeader, save
 from kvboost_core.lora.block_prefill import Run, block_forward, block_greedy, block_runs
 from kvboost_core.lora.reader import ReaderAdapter
 from kvboost_rag.app import adapt_block
@@ -80,7 +80,7 @@ def _train_tiny(model, tokenizer, out_dir, steps=4):
                    lambda i: distill.student_loss(model, lead, targets[i], distill.RECIPES["b"]),
                    steps=steps, lr=2e-2, seed=0, log=lambda *_: None)
     assert all(torch.isfinite(torch.tensor(st.losses)))
-    meta = BlockMeta(4, 8.0, TARGETS, str(eng.fingerprint), tuple(lead), eng.config.sink_tokens)
+    meta = BlockMeta(LoraHeader(4, 8.0, TARGETS, str(eng.fingerprint)), tuple(lead), eng.config.sink_tokens)
     save(str(out_dir), lora.state_dict(), meta)
     from safetensors.torch import load_file
 

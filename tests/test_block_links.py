@@ -68,13 +68,13 @@ def test_student_with_links_reads_the_teachers_rows(setup):
 
 
 def test_engine_refuses_an_adapter_with_links(tmp_path, tokenizer):
-    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, LoraHeader, save
     from kvboost_core.lora.reader import ReaderAdapter
 
     model = make_tiny_model("llama")
     eng = engine_for(model, tokenizer)
     lora = ReaderAdapter.attach(make_tiny_model("llama"), rank=2, alpha=4.0)
-    save(str(tmp_path), lora.state_dict(), BlockMeta(2, 4.0, TARGETS, str(eng.fingerprint),
+    save(str(tmp_path), lora.state_dict(), BlockMeta(LoraHeader(2, 4.0, TARGETS, str(eng.fingerprint)),
                                                      tuple(eng._warm_prefix), eng.config.sink_tokens))
     (tmp_path / "links.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match="link slots"):

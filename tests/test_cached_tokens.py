@@ -77,14 +77,14 @@ def test_block_exact_reuse_is_cached(tmp_path, tokenizer):
     from langchain_kvboost import ChatKVBoost
     from llama_index.llms.kvboost import KVBoostLLM
 
-    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, LoraHeader, save
     from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag import KVBoostRAG
 
     base = engine_for(make_tiny_model("llama"), tokenizer)
     lora = ReaderAdapter.attach(make_tiny_model("llama"), rank=4, alpha=8.0, base_fingerprint=base.fingerprint)
     save(str(tmp_path), lora.state_dict(), BlockMeta(
-        rank=4, alpha=8.0, targets=TARGETS, base_fingerprint=str(base.fingerprint),
+        header=LoraHeader(4, 8.0, TARGETS, str(base.fingerprint)),
         warm_prefix=tuple(base.warm_prefix_ids), sink_tokens=base.config.sink_tokens))
     rag = KVBoostRAG(engine_for(make_tiny_model("llama"), tokenizer, block_adapter=str(tmp_path)))
     docs = [CORPUS[1], CORPUS[4]]

@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,23 +40,26 @@ LINKS = LINKS_FILE  # a link-slot table (kvboost_core.lora.block_links) the engi
 
 @dataclass(slots=True)
 class BlockMeta:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    base_fingerprint: str
+    """``block.json``: the LoRA header (rank, alpha, targets, base model), the serving conditions it was trained
+    under, and how it was trained."""
+
+    header: LoraHeader
     warm_prefix: tuple[int, ...]  # the lead-in documents were encoded behind in training
     sink_tokens: int = 32  # the engine's lookup rule it was trained on (block_prefill.block_runs)
     trained: dict[str, Any] = field(default_factory=dict)  # how it was trained and what it measured
 
+    rank = property(lambda self: self.header.rank)
+    alpha = property(lambda self: self.header.alpha)
+    targets = property(lambda self: self.header.targets)
+    base_fingerprint = property(lambda self: self.header.base_fingerprint)
+
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["targets"], out["warm_prefix"] = list(self.targets), list(self.warm_prefix)
-        return out
+        return {**self.header.to_json(), "warm_prefix": list(self.warm_prefix), "sink_tokens": self.sink_tokens,
+                "trained": self.trained}
 
     @classmethod
     def from_json(cls, raw: Any) -> BlockMeta:
-        h = LoraHeader.from_json(raw)
-        return cls(h.rank, h.alpha, h.targets, h.base_fingerprint, tuple(int(t) for t in raw["warm_prefix"]),
+        return cls(LoraHeader.from_json(raw), tuple(int(t) for t in raw["warm_prefix"]),
                    int(raw.get("sink_tokens", 32)), dict(raw.get("trained", {})))
 
 

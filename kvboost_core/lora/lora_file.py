@@ -74,6 +74,10 @@ class LoraHeader:
         if not isinstance(self.base_fingerprint, str):
             raise ValueError(f"base_fingerprint must be a str, got {self.base_fingerprint!r}")
 
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "base_fingerprint": self.base_fingerprint}
+
     @classmethod
     def from_json(cls, raw: Any) -> LoraHeader:
         """The common fields of a parsed description; KeyError, TypeError or ValueError when it has none."""

@@ -25,7 +25,7 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,19 +71,22 @@ class GatedLoRA(nn.Module):
 
 @dataclass(slots=True)
 class ReaderMeta:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    base_fingerprint: str
+    """``reader.json``: the LoRA header (rank, alpha, targets, base model) and how the adapter was trained."""
+
+    header: LoraHeader
     trained: dict[str, Any] = field(default_factory=dict)  # how it was trained and what it measured
 
+    rank = property(lambda self: self.header.rank)
+    alpha = property(lambda self: self.header.alpha)
+    targets = property(lambda self: self.header.targets)
+    base_fingerprint = property(lambda self: self.header.base_fingerprint)
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "targets": list(self.targets)}
+        return {**self.header.to_json(), "trained": self.trained}
 
     @classmethod
     def from_json(cls, raw: Any) -> ReaderMeta:
-        h = LoraHeader.from_json(raw)
-        return cls(h.rank, h.alpha, h.targets, h.base_fingerprint, dict(raw.get("trained", {})))
+        return cls(LoraHeader.from_json(raw), dict(raw.get("trained", {})))
 
 
 class ReaderAdapter:
@@ -158,7 +161,7 @@ class ReaderAdapter:
     def attach(cls, model: Any, *, rank: int = 8, alpha: float = 16.0, targets: Sequence[str] = TARGETS,
                base_fingerprint: str = "") -> ReaderAdapter:
         """New (untrained: B = 0, so the model is unchanged until trained) adapter on ``model``."""
-        return cls(model, ReaderMeta(int(rank), float(alpha), tuple(targets), base_fingerprint))
+        return cls(model, ReaderMeta(LoraHeader(int(rank), float(alpha), tuple(targets), base_fingerprint)))
 
     @classmethod
     def load(cls, model: Any, directory: str, base_fingerprint: str) -> ReaderAdapter:

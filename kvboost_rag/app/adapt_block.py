@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
     import torch
 
-    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, save
+    from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, LoraHeader, save
     from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag.app import train_corpus as tc
     from kvboost_rag.app.trainer import train
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "final_loss_20": statistics.fmean(st.losses[-20:]), "log": st.log}
 
     def write(dev: dict[str, Any]) -> str:
-        meta = BlockMeta(args.rank, args.alpha, TARGETS, str(engine.fingerprint), tuple(lead),
+        meta = BlockMeta(LoraHeader(args.rank, args.alpha, TARGETS, str(engine.fingerprint)), tuple(lead),
                          engine.config.sink_tokens, trained={**trained, "dev": dev})
         return save(args.out, lora.state_dict(), meta)
 
