@@ -316,7 +316,8 @@ def when_to_use(result: dict[str, Any], long: dict[str, Any], ttft: dict[str, An
             f"- **Do not expect speed and unchanged answers together on a small model.** SmolLM2's default "
             f"(r=0.7 when measured) keeps accuracy ({pts_ci(diff)}) but only {same:.0%} of first sentences, at "
             f"{_fmt_speedup(speed[0])} (1.7K tokens)" + (f" and {_fmt_speedup(at4k)} (4K tokens)." if at4k else "."))
-    lines.append("- **Not measured**: trained models larger than 135M parameters, and any GPU.")
+    lines.append("- **Not measured**: trained models larger than 135M parameters, and speed on a GPU (the CUDA "
+                 "kernels and the engine on CUDA pass their parity tests on an H200; see [Limits](docs/limits.md)).")
     return "\n".join(lines)
 
 
