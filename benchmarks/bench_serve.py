@@ -226,7 +226,7 @@ def decode_micro(model: str, threads: int | None, contexts: tuple[int, ...] = (6
     for ctx in contexts:
         pre = prefill(engine, [Segment(token_ids=[5] * ctx)], store_prefix=False)
         for b in batches:
-            dec = BatchedDecoder(engine.adapter, b)
+            dec = BatchedDecoder(engine.driver, b)
             slots = [dec.add(pre.result.cache.keys, pre.result.cache.values, ctx, ctx + steps + 2) for _ in range(b)]
             dec.step({s: 5 for s in slots})  # warm-up
             t0 = time.perf_counter()

@@ -26,7 +26,7 @@ def _decoder(engine: Any, pres: list[Any], deterministic: bool, steps: int) -> t
     """A decoder holding the prefilled prompts ``pres`` (one row each) with room for ``steps`` tokens."""
     from kvboost_core.batch import BatchedDecoder
 
-    dec = BatchedDecoder(engine.adapter, 8, deterministic=deterministic)
+    dec = BatchedDecoder(engine.driver, 8, deterministic=deterministic)
     slots = [dec.add(p.result.cache.keys, p.result.cache.values, len(p.result.token_ids),
                      len(p.result.token_ids) + steps + 1) for p in pres]
     return dec, slots

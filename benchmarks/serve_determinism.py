@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(max_batch: int, one_by_one: bool) -> list[tuple[list[int], list[Any]]]:
         rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
         rag.warm_documents(docs, progress=False)
-        sched = sm.Scheduler(rag.engine.adapter, max_batch=max_batch, max_queue=len(reqs))
+        sched = sm.Scheduler(rag.engine.driver, max_batch=max_batch, max_queue=len(reqs))
         sched.start()
         out = []
         try:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n, chunk in enumerate(int(c) for c in args.chunks.split(",") if c.strip()):
         rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
-        sched = Scheduler(base.adapter, max_batch=4, prefill_chunk=chunk or None)
+        sched = Scheduler(base.driver, max_batch=4, prefill_chunk=chunk or None)
         sched.start()
         times: list[float] = []
         long_start: list[float] = []
@@ -121,7 +121,7 @@ def warm_row(base: Any, records: list[str], n: int, setting: str, n_docs: int, d
     rag = KVBoostRAG(KVEngine(base.model, base.tokenizer, base.config))
     tokens, _, share = setting.partition("@")
     budget = 10**9 if tokens == "whole" else int(tokens)
-    sched = Scheduler(base.adapter, max_batch=4, warm_budget=budget, warm_step_share=float(share) if share else None)
+    sched = Scheduler(base.driver, max_batch=4, warm_budget=budget, warm_step_share=float(share) if share else None)
     sched.start()
     times: list[float] = []
 

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from kvboost_core import attention
-from kvboost_core.adapters import ModelAdapter
 from kvboost_core.backfill import BackfillJob, conversation_job
+from kvboost_core.driver import ModelDriver
 from kvboost_core.invariant import row_tiled, rowwise_attention
 from kvboost_core.results import PrefillResult
 from kvboost_core.stages import EngineStages
@@ -142,7 +142,7 @@ def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool
     from kvboost_core.canonical import CanonicalJob
 
     check_history_tokens(history_tokens)
-    spec = repair_spec(engine.config, engine.adapter.num_layers, repair=repair, recompute_ratio=recompute_ratio,
+    spec = repair_spec(engine.config, engine.driver.num_layers, repair=repair, recompute_ratio=recompute_ratio,
                        select=select, check_layer=check_layer)
     build = bool(engine.config.store_prefix if store_prefix is None else store_prefix)
     if history_tokens is None or not engine.chat_canonical():
@@ -188,11 +188,11 @@ class BatchedDecoder:
     """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step.
     ``deterministic`` (default): a request's logits do not depend on its neighbours, to the last bit."""
 
-    def __init__(self, adapter: ModelAdapter, max_batch: int, *, deterministic: bool = True) -> None:
-        if not adapter.layerwise:
-            raise ValueError("batched decode needs a layer-wise model adapter (a Llama-like RoPE family); this "
+    def __init__(self, driver: ModelDriver, max_batch: int, *, deterministic: bool = True) -> None:
+        if not driver.layerwise:
+            raise ValueError("batched decode needs a layer-wise model driver (a Llama-like RoPE family); this "
                              "model runs through HF's own forward (prefix-only reuse)")
-        if adapter.reader is not None:
+        if driver.reader is not None:
             # a step would run every row on the base weights while the engine gates reader rows: refuse
             raise ValueError("batched decode does not run reader adapters (reader_adapter); serve this engine "
                              "without one or generate through KVEngine.generate")
@@ -200,15 +200,15 @@ class BatchedDecoder:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-        self.adapter = adapter
+        self.driver = driver
         self.max_batch = max_batch
         self.deterministic = deterministic
         self._slots: list[BatchSlot] = []
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._capacity = 0
-        heads = [adapter.model.get_output_embeddings()]
-        self._linears = [m for m in [*adapter.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
+        heads = [driver.model.get_output_embeddings()]
+        self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
 
     # ------------------------------------------------------------------ membership
     @property
@@ -228,7 +228,7 @@ class BatchedDecoder:
         """Bytes of the slots requests actually hold (their current lengths)."""
         if not self._keys:
             return 0
-        per_slot = 2 * self.adapter.num_layers * self.adapter.num_kv_heads * self.adapter.head_dim
+        per_slot = 2 * self.driver.num_layers * self.driver.num_kv_heads * self.driver.head_dim
         return per_slot * self._keys[0].element_size() * sum(s.length for s in self._slots)
 
     @torch.inference_mode()  # the buffers are inference tensors (allocated in step): write them in the same mode
@@ -241,7 +241,7 @@ class BatchedDecoder:
         # room for the request's first tokens now; growth past it re-allocates (rare: a zero-filled copy)
         self._ensure(min(capacity, length + _HEADROOM), len(self._slots) + 1)
         row = len(self._slots)
-        for layer in range(self.adapter.num_layers):
+        for layer in range(self.driver.num_layers):
             self._keys[layer][row, :, :length] = keys[layer][0, :, :length]
             self._values[layer][row, :, :length] = values[layer][0, :, :length]
         slot = BatchSlot(row, length, capacity)
@@ -282,7 +282,7 @@ class BatchedDecoder:
         rows = max(rows, len(self._slots))
         if capacity <= self._capacity and rows <= have_rows and self._keys:
             return
-        a = self.adapter
+        a = self.driver
         # doubling, bounded by the largest capacity a request may reach: amortized O(1) copies per token
         most = max([s.capacity for s in self._slots] + [capacity])
         new_cap = max(capacity, min(2 * self._capacity, most)) if capacity > self._capacity else self._capacity
@@ -306,7 +306,7 @@ class BatchedDecoder:
         for s in self._slots:
             if s.length >= s.capacity:
                 raise RuntimeError(f"a request reached its capacity of {s.capacity} slots; it must leave first")
-        a = self.adapter
+        a = self.driver
         n = len(self._slots)
         dev = a.device
         lengths = [s.length + 1 for s in self._slots]  # each row attends to its prompt, tokens and this token
@@ -338,14 +338,14 @@ class BatchedDecoder:
         if not self.deterministic:
             yield
             return
-        with row_tiled(self._linears), rowwise_attention(self.adapter.model.config, lengths):
+        with row_tiled(self._linears), rowwise_attention(self.driver.model.config, lengths):
             yield
 
     def _masks(self, pos: torch.Tensor, length: int) -> dict[int | None, torch.Tensor]:
         """Row i sees keys [0, pos_i] (and > pos_i - window): its own prompt and tokens, never padding. Additive
         float masks built once per step (0 / -inf under SDPA, as SDPA itself would convert a bool mask in every
         layer; 0 / finfo.min under eager, as the model's own masks)."""
-        a = self.adapter
+        a = self.driver
         impl = attention.base_impl(a.model.config)
         k_pos = torch.arange(length, device=pos.device)
         out: dict[int | None, torch.Tensor] = {}

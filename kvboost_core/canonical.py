@@ -35,7 +35,6 @@ from typing import Any, cast
 
 import torch
 
-from kvboost_core.adapters import ScatterCache
 from kvboost_core.assembly import (
     APPROX,
     EXACT,
@@ -47,6 +46,7 @@ from kvboost_core.assembly import (
     lookup,
     place,
 )
+from kvboost_core.driver import ScatterCache
 from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
 from kvboost_core.repair import RepairSpec, build_schedule
@@ -98,9 +98,9 @@ class CanonicalJob:
         chunks). ``capacity``: cache slots (at least the prompt's; decode needs more). ``head_end``: cut here
         instead (a chunk end; a backfill's canonical chunks)."""
         t0 = time.perf_counter()
-        a = engine.adapter
+        a = engine.driver
         if a.no_reuse or not a.layerwise:
-            raise ValueError("canonical prefill needs a layer-wise model adapter (a Llama-like RoPE family)")
+            raise ValueError("canonical prefill needs a layer-wise model driver (a Llama-like RoPE family)")
         segs, total, chunks = prepared or engine.prompt_chunks(prompt, add_special_tokens)
         t_tok = time.perf_counter()
         cfg = engine.config
@@ -156,7 +156,7 @@ class CanonicalJob:
     def advance(self, budget: int | None = None) -> bool:
         """Compute head chunks in order until ``budget`` tokens are computed (at least one chunk; None: all of
         them); returns :attr:`done`."""
-        engine, a, cfg = self._engine, self._engine.adapter, self._engine.config
+        engine, a, cfg = self._engine, self._engine.driver, self._engine.config
         t0 = time.perf_counter()
         spent = 0
         with torch.inference_mode():
@@ -186,7 +186,7 @@ class CanonicalJob:
     def finish(self) -> CanonicalPrefill:
         """The rest of the prompt in one forward (after any head chunks not computed yet): the result."""
         self.advance(None)
-        engine, a, spec, plan = self._engine, self._engine.adapter, self._spec, self._plan
+        engine, a, spec, plan = self._engine, self._engine.driver, self._spec, self._plan
         ids, total, p, hit_end = self._ids, self._total, self.prefix_end, self.hit_end
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvboost_core.adapters import ModelAdapter
 from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
+from kvboost_core.driver import ModelDriver
 from kvboost_core.generation import GenerationMixin, GenerationStream
 from kvboost_core.keys import Fingerprint, model_fingerprint
 from kvboost_core.results import Counters
@@ -68,9 +68,9 @@ class KVEngine(GenerationMixin, WarmMixin):
         self.config = config
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter.for_model(model)
-        if self.adapter.no_reuse:  # once per engine: every request then runs as plain HF generation
-            warnings.warn(f"kvboost: {self.adapter.no_reuse}", stacklevel=2)
+        self.driver = ModelDriver.for_model(model)
+        if self.driver.no_reuse:  # once per engine: every request then runs as plain HF generation
+            warnings.warn(f"kvboost: {self.driver.no_reuse}", stacklevel=2)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self._lead = lead_token_ids(tokenizer)
@@ -82,7 +82,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         self.block = self._load_block(config.block_adapter)
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
                                  namespace=config.namespace, secret=config.store_secret,
-                                 geometry=KVGeometry.for_engine(self.adapter, config))
+                                 geometry=KVGeometry.for_engine(self.driver, config))
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = frozenset(self._eos_ids())
@@ -90,10 +90,10 @@ class KVEngine(GenerationMixin, WarmMixin):
         self._follow_ups = FollowUps()  # backfill="auto": which prompts continue an earlier one
         # calibration on first use (kvboost_core.tuning.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None
-        cached = load_cached(self) if config.auto_calibrate and not self.adapter.no_reuse else None
+        cached = load_cached(self) if config.auto_calibrate and not self.driver.no_reuse else None
         if cached is not None:
             apply_calibration(self, cached, "cached")
-        self._first_use = FirstUse(done=not config.auto_calibrate or cached is not None or bool(self.adapter.no_reuse))
+        self._first_use = FirstUse(done=not config.auto_calibrate or cached is not None or bool(self.driver.no_reuse))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -137,20 +137,20 @@ class KVEngine(GenerationMixin, WarmMixin):
     def _load_reader(self, path: str | None) -> Any:
         if path is None:
             return None
-        if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
+        if not self.driver.layerwise or not self.driver.rope.rerotatable:
             raise ValueError("reader_adapter needs a model whose documents can be re-placed (a supported RoPE "
                              "family); this one reuses exact prefixes only")
         from kvboost_core.lora.reader import ReaderAdapter
 
         reader = ReaderAdapter.load(self.model, os.path.expanduser(path), self.fingerprint)
-        self.adapter.reader = reader
+        self.driver.reader = reader
         log.info("kvboost: reader adapter loaded from %s (rank %d)", path, reader.meta.rank)
         return reader
 
     def _load_block(self, path: str | None) -> Any:
         if path is None:
             return None
-        if not self.adapter.layerwise or not self.adapter.rope.rerotatable:
+        if not self.driver.layerwise or not self.driver.rope.rerotatable:
             raise ValueError("block_adapter needs a model whose documents can be re-placed (a supported RoPE "
                              "family); this one reuses exact prefixes only")
         from kvboost_core.lora.block_adapter import BlockAdapter, adapted_fingerprint
@@ -211,7 +211,7 @@ class KVEngine(GenerationMixin, WarmMixin):
     @torch.inference_mode()
     def full_prefill_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Next-token logits of a plain HF full prefill of ``token_ids`` (the fidelity reference)."""
-        ids = torch.tensor([list(token_ids)], device=self.adapter.device)
+        ids = torch.tensor([list(token_ids)], device=self.driver.device)
         return self.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
 
     def stats(self) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from kvboost_core.config import EngineConfig
 from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_prompt, tokenize_segments
 
 if TYPE_CHECKING:
-    from kvboost_core.adapters import ModelAdapter
     from kvboost_core.backfill import Backfiller, FollowUps
+    from kvboost_core.driver import ModelDriver
     from kvboost_core.keys import Fingerprint
     from kvboost_core.results import Counters
     from kvboost_core.store import KVStore
@@ -31,7 +31,7 @@ class EngineBase:
     config: EngineConfig
     model: Any  # the HuggingFace causal LM, in eval mode
     tokenizer: Any
-    adapter: ModelAdapter
+    driver: ModelDriver
     store: KVStore
     fingerprint: Fingerprint  # of the model that computes the KV (a block adapter included): keys the cache
     base_fingerprint: Fingerprint  # of the base model, before any adapter
@@ -80,7 +80,7 @@ class EngineBase:
         return chunk_spans(ids, self.config.chunk_size, self.config.boundary_window, self._is_boundary)
 
     def _check_context(self, n_prompt: int) -> None:
-        ctx = self.adapter.max_context
+        ctx = self.driver.max_context
         if ctx and n_prompt > ctx:
             raise ValueError(f"the prompt has {n_prompt} tokens but the model's context is {ctx} tokens; "
                              "shorten the prompt or retrieve fewer documents (nothing is truncated silently)")

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvboost_core.adapters import ScatterCache
 from kvboost_core.assembly import plan_chunks
 from kvboost_core.backfill import BackfillJob, BackfillResult, conversation_job, run_job
 from kvboost_core.call_options import check_history_tokens, repair_spec
 from kvboost_core.canonical import CanonicalJob
+from kvboost_core.driver import ScatterCache
 from kvboost_core.prefill import PrefillMixin
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult
@@ -39,7 +39,7 @@ class BackfillMixin(PrefillMixin):
         """Backfill after this generation? ``backfill=True``: always; ``"auto"``: when the prompt continues an
         earlier prompt of this engine (a chat's second turn on), so its later turns find the history exact."""
         mode = self.config.backfill
-        if not mode or self.adapter.no_reuse:
+        if not mode or self.driver.no_reuse:
             return False
         follow_up = self._follow_ups.observe(prompt_ids) if mode == "auto" else True
         return follow_up and bool(self.config.store_prefix if store_prefix is None else store_prefix)
@@ -47,12 +47,12 @@ class BackfillMixin(PrefillMixin):
     def chat_canonical(self) -> bool:
         """Can chat calls take the canonical path? A layer-wise model without a reader or block adapter (their
         forwards are not the canonical one); elsewhere a chat call is an ordinary one, backfilled all the same."""
-        a = self.adapter
+        a = self.driver
         return a.layerwise and not a.no_reuse and self.reader is None and self.block is None
 
     def _chat_backfills(self, store_prefix: bool | None) -> bool:
         """Backfill after a chat call? Whenever backfill is on (``"auto"`` or True): a chat call is a turn."""
-        return bool(self.config.backfill) and not self.adapter.no_reuse and bool(
+        return bool(self.config.backfill) and not self.driver.no_reuse and bool(
             self.config.store_prefix if store_prefix is None else store_prefix)
 
     def split_at(self, prepared: Prepared, history: int) -> Prepared:
@@ -85,7 +85,7 @@ class BackfillMixin(PrefillMixin):
         tokens, the computed canonical chunks to store)."""
         prepared = self.split_at(prepared, history)
         total = prepared[1]
-        ctx = self.adapter.max_context or (total + n_new)
+        ctx = self.driver.max_context or (total + n_new)
         enabled = bool(self.config.store_prefix if store_prefix is None else store_prefix)
         job = CanonicalJob(self, None, spec, None, build_blocks=enabled, prepared=prepared, exact_before=history,
                            capacity=min(total + n_new, ctx))
@@ -117,7 +117,7 @@ class BackfillMixin(PrefillMixin):
         """One slice of ``job`` for a caller that schedules backfills itself (the server, between requests): its
         prefix ``[0, end)`` (``end`` a chunk end, see :func:`kvboost_core.backfill.step_ends`) exact in the
         store, computed where not stored yet. Returns (tokens found stored, tokens computed)."""
-        if not self.config.store_prefix or self.adapter.no_reuse:
+        if not self.config.store_prefix or self.driver.no_reuse:
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
         if not any(c.end == end for c in job.chunks):
             raise ValueError(f"end must be one of the job's chunk ends, got {end!r}")
@@ -132,7 +132,7 @@ class BackfillMixin(PrefillMixin):
         Engines with ``backfill=True`` do this by themselves after every generation (``"auto"``, the default:
         after every generation whose prompt continues an earlier one), in a background thread; call this where
         generation happens elsewhere or to backfill synchronously."""
-        if not self.config.store_prefix or self.adapter.no_reuse:
+        if not self.config.store_prefix or self.driver.no_reuse:
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
         gen = list(generated)
         check_vocab(gen, self._vocab, "generated")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvboost_core import attention, replay, slices
-from kvboost_core.adapters import ModelAdapter, ScatterCache
+from kvboost_core.driver import ModelDriver, ScatterCache
 
 # score(fresh_k, cached_k, fresh_v, cached_v, positions) -> (n,) higher = recompute first
 Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,21 +98,21 @@ def _pairs(positions: torch.Tensor, length: int, window: int | None, plan: Any) 
     return causal, int(positions.numel()) * length
 
 
-def _masks(adapter: ModelAdapter, positions: torch.Tensor, length: int, impl: str) -> list[Any]:
+def _masks(driver: ModelDriver, positions: torch.Tensor, length: int, impl: str) -> list[Any]:
     """Each layer's attention plan for ``positions``, built once per forward (per distinct window): None for a
     cold prefill under SDPA (its fused causal kernel), else :class:`RowBlocks` (causal query blocks), or with
     ``attention.BLOCK_ROWS == 0`` the former dense (1, 1, n, T) mask, kept as the reference."""
     full = positions.numel() == length and (length == 0 or int(positions[-1]) == length - 1)
     by_window: dict[int | None, Any] = {}
     out = []
-    for window in adapter.windows:
+    for window in driver.windows:
         if window not in by_window:
             if full and window is None and impl == "sdpa":
                 by_window[window] = None
             elif attention.BLOCK_ROWS <= 0:
-                by_window[window] = dense_mask(positions, length, window, impl=impl, dtype=adapter.dtype)
+                by_window[window] = dense_mask(positions, length, window, impl=impl, dtype=driver.dtype)
             else:
-                by_window[window] = attention.row_blocks(positions, length, window, impl=impl, dtype=adapter.dtype)
+                by_window[window] = attention.row_blocks(positions, length, window, impl=impl, dtype=driver.dtype)
         out.append(by_window[window])
     return out
 
@@ -131,7 +131,7 @@ def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, schedule: Schedule,
+def run_forward(driver: ModelDriver, ids: torch.Tensor, cache: ScatterCache, schedule: Schedule,
                 length: int) -> tuple[torch.Tensor, ForwardTrace]:
     """Returns the last computed position's hidden state (1, 1, hidden) and a trace of the work done."""
     trace = ForwardTrace(length=length)
@@ -142,11 +142,11 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     positions = _union(schedule.base, schedule.candidates) if check is not None else schedule.base
     if positions.numel() == 0:
         raise RuntimeError("forward scheduled with no positions; the last prompt token must always be computed")
-    hidden = adapter.embed(ids[positions])  # (1, n, hidden)
-    cos_sin = adapter.rotary(hidden, positions)
-    config = adapter.model.config
+    hidden = driver.embed(ids[positions])  # (1, n, hidden)
+    cos_sin = driver.rotary(hidden, positions)
+    config = driver.model.config
     impl = attention.base_impl(config)
-    masks = _masks(adapter, positions, length, impl)
+    masks = _masks(driver, positions, length, impl)
     cache.length = length
 
     # Check layers in order, each with the positions it scores (the candidates still kept) and how it keeps.
@@ -154,25 +154,25 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
     if check is not None:
         checks.append(check)
         if schedule.recheck_layer is not None and schedule.recheck_layer > check:
-            checks.append(min(schedule.recheck_layer, adapter.num_layers - 1))
+            checks.append(min(schedule.recheck_layer, driver.num_layers - 1))
     cands = schedule.candidates
     projected: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
     with attention.switched(config):
         try:
-            for layer in range(adapter.num_layers):
+            for layer in range(driver.num_layers):
                 cache.positions = positions
                 if checks and layer == checks[0]:
                     checks.pop(0)
                     trace.check_layers.append(layer)
                     # K/V of every computed token (scored before they overwrite the cached ones), then the whole
                     # layer for the kept tokens only, which attend to those fresh K/V.
-                    attn = adapter.inner.layers[layer].self_attn
-                    reuse = REUSE_CHECK_PROJECTIONS and adapter.reader is None  # a reader gates projections per row
+                    attn = driver.inner.layers[layer].self_attn
+                    reuse = REUSE_CHECK_PROJECTIONS and driver.reader is None  # a reader gates projections per row
                     capturing: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = (
                         replay.capture(attn) if reuse else contextlib.nullcontext({}))
                     with capturing as captured:
-                        score = _check_scores(adapter, layer, hidden, masks[layer], cos_sin, positions, cache,
+                        score = _check_scores(driver, layer, hidden, masks[layer], cos_sin, positions, cache,
                                               cands, schedule, observers=schedule.observers if layer == check else 0)
                     n_scored = int(positions.numel())
                     if layer == check:
@@ -188,35 +188,35 @@ def run_forward(adapter: ModelAdapter, ids: torch.Tensor, cache: ScatterCache, s
                     hidden = hidden[:, idx]  # (1, n', hidden): only these run through this layer and the ones above
                     positions = new_positions
                     cos_sin = (cos_sin[0][:, idx], cos_sin[1][:, idx])
-                    masks = _masks(adapter, positions, length, impl)
+                    masks = _masks(driver, positions, length, impl)
                     cache.positions = positions
                     if captured and all(t.shape[:2] == (1, n_scored) for t in captured.values()):
                         # the kept rows' Q/K/V projections were computed by the scoring pass: read them
                         projected = replay.replaying(attn, captured, idx)
                         trace.replayed_tokens += int(positions.numel())
                 with projected:
-                    hidden = adapter.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
+                    hidden = driver.run_layer(layer, hidden, masks[layer], cos_sin, positions, cache)
                 projected = contextlib.nullcontext()
                 trace.tokens_per_layer.append(int(positions.numel()))
-                _record(trace, recording, adapter, layer, positions, length, masks[layer])
-                slices.layer_done(int(positions.numel()), adapter.num_layers)  # a sliced call may pause here
+                _record(trace, recording, driver, layer, positions, length, masks[layer])
+                slices.layer_done(int(positions.numel()), driver.num_layers)  # a sliced call may pause here
         finally:
             cache.on_update = None
             cache.positions = None
-            if adapter.reader is not None:  # later plain HF calls on this thread run the base model
-                adapter.reader.set_rows(positions, None)
+            if driver.reader is not None:  # later plain HF calls on this thread run the base model
+                driver.reader.set_rows(positions, None)
     return hidden[:, -1:], trace
 
 
-def _record(trace: ForwardTrace, recording: list[ForwardTrace] | None, adapter: ModelAdapter, layer: int,
+def _record(trace: ForwardTrace, recording: list[ForwardTrace] | None, driver: ModelDriver, layer: int,
             positions: torch.Tensor, length: int, plan: Any) -> None:
     if recording is not None:
-        causal, computed = _pairs(positions, length, adapter.windows[layer], plan)
+        causal, computed = _pairs(positions, length, driver.windows[layer], plan)
         trace.causal_pairs.append(causal)
         trace.computed_pairs.append(computed)
 
 
-def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask: Any,
+def _check_scores(driver: ModelDriver, layer: int, hidden: torch.Tensor, mask: Any,
                   cos_sin: Any, positions: torch.Tensor, cache: ScatterCache, cands: torch.Tensor,
                   schedule: Schedule, observers: int) -> torch.Tensor | None:
     """Compute this layer's K/V for ``positions`` (written into the cache) and score ``cands`` (a subset of
@@ -235,9 +235,9 @@ def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask:
                              cands)
 
     cache.on_update = on_update
-    hook = _capture_queries(adapter, layer, captured) if observers else None
+    hook = _capture_queries(driver, layer, captured) if observers else None
     try:
-        adapter.layer_kv(layer, hidden, mask, cos_sin, positions, cache)
+        driver.layer_kv(layer, hidden, mask, cos_sin, positions, cache)
     finally:
         cache.on_update = None
         if hook is not None:
@@ -250,9 +250,9 @@ def _check_scores(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, mask:
     return score
 
 
-def _capture_queries(adapter: ModelAdapter, layer: int, out: dict[str, torch.Tensor]) -> Any:
+def _capture_queries(driver: ModelDriver, layer: int, out: dict[str, torch.Tensor]) -> Any:
     """Keep the check layer's query projection output (after its q-norm where the family has one)."""
-    attn = adapter.inner.layers[layer].self_attn
+    attn = driver.inner.layers[layer].self_attn
     module = getattr(attn, "q_norm", None) or attn.q_proj
 
     def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:
@@ -314,8 +314,8 @@ def _top(candidates: torch.Tensor, score: torch.Tensor | None, k: int) -> torch.
 
 
 @torch.inference_mode()
-def decode_step(adapter: ModelAdapter, all_ids: torch.Tensor, position: int, cache: ScatterCache) -> torch.Tensor:
+def decode_step(driver: ModelDriver, all_ids: torch.Tensor, position: int, cache: ScatterCache) -> torch.Tensor:
     """Run the token at ``all_ids[position]``, attending to slots [0, position]. Returns logits (vocab,)."""
     pos = torch.tensor([position], device=all_ids.device)
-    hidden, _ = run_forward(adapter, all_ids, cache, Schedule(base=pos, candidates=pos[:0]), position + 1)
-    return adapter.logits(hidden)[0, -1]  # inside inference_mode (decorator): no autograd graph
+    hidden, _ = run_forward(driver, all_ids, cache, Schedule(base=pos, candidates=pos[:0]), position + 1)
+    return driver.logits(hidden)[0, -1]  # inside inference_mode (decorator): no autograd graph

@@ -59,7 +59,7 @@ class GenerationMixin(BackfillMixin):
         :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece.
         ``logits_processor``: see :meth:`generate`."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        opts = call_options(self.config, self.adapter.num_layers, kw)
+        opts = call_options(self.config, self.driver.num_layers, kw)
         check_logits_processor(logits_processor)
         return GenerationStream(self, prompt, params, {"opts": opts, "logits_processor": logits_processor})
 
@@ -81,7 +81,7 @@ class GenerationMixin(BackfillMixin):
         turn's history as it will be rendered."""
         holder: dict[str, GenerationResult] = {}
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        opts = call_options(self.config, self.adapter.num_layers, kw)
+        opts = call_options(self.config, self.driver.num_layers, kw)
         check_logits_processor(logits_processor)
         for _ in self._run(prompt, params, holder, opts, logits_processor):
             pass
@@ -124,7 +124,7 @@ class GenerationMixin(BackfillMixin):
                                                  prepared)
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self.adapter.device).manual_seed(params.seed)
+                generator = torch.Generator(device=self.driver.device).manual_seed(params.seed)
             # The processor may mask in place: it gets a copy, so the result's first_logits stay the model's own.
             first = pre.last_logits if logits_processor is None else pre.last_logits.clone()
             token = process_and_sample(logits_processor, generated, first, params, generator)  # None: stopped
@@ -137,7 +137,7 @@ class GenerationMixin(BackfillMixin):
                 self._store_prefix(plan, cache, spec, store_prefix)
 
         capacity = cache.keys[0].shape[2]
-        all_ids = torch.empty(capacity, dtype=torch.long, device=self.adapter.device)
+        all_ids = torch.empty(capacity, dtype=torch.long, device=self.driver.device)
         all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)
         text = TextStream(self.tokenizer, params.stop)
         pos = len(pre.token_ids)
@@ -157,9 +157,9 @@ class GenerationMixin(BackfillMixin):
             all_ids[pos] = token
             with busy():
                 if cache.hf is not None:
-                    logits = self.adapter.hf_step(cache, token)
+                    logits = self.driver.hf_step(cache, token)
                 else:
-                    logits = decode_step(self.adapter, all_ids, pos, cache)
+                    logits = decode_step(self.driver, all_ids, pos, cache)
                 token = process_and_sample(logits_processor, generated, logits.float(), params, generator)
             pos += 1
         yield text.flush()

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from kvboost_core.adapters import ScatterCache
 from kvboost_core.assembly import (
     APPROX,
     EXACT,
@@ -26,6 +25,7 @@ from kvboost_core.assembly import (
     plan_chunks,
 )
 from kvboost_core.call_options import call_options
+from kvboost_core.driver import ScatterCache
 from kvboost_core.engine_base import EngineBase
 from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import kv_precision
@@ -40,7 +40,7 @@ class PrefillMixin(EngineBase):
     """``prefill()`` and the steps it shares with warming and generation (cache buffers, stored blocks)."""
 
     def new_cache(self, capacity: int) -> ScatterCache:
-        a = self.adapter
+        a = self.driver
         shape = (1, a.num_kv_heads, capacity, a.head_dim)
         if a.no_reuse:  # HF's own cache holds the KV; a zero-stride view keeps the capacity without the memory
             one = torch.empty(1, a.num_kv_heads, 1, a.head_dim, dtype=a.dtype, device=a.device).expand(shape)
@@ -59,7 +59,7 @@ class PrefillMixin(EngineBase):
         # channel's quantization range; it is a single chunk per prefix chain, so it stays dense.
         bits = None if start == 0 else self.config.kv_bits
         # Rotatable RoPE: quantize keys pre-RoPE (position 0); placement rotates them to where they land.
-        rotary = self.adapter.inner.rotary_emb if self.adapter.layerwise and self.adapter.rope.rerotatable else None
+        rotary = self.driver.inner.rotary_emb if self.driver.layerwise and self.driver.rope.rerotatable else None
         payload = maybe_quantize(DensePayload(k, v), bits, self.config.kv_group_size, start=start,
                                  rotary_emb=rotary)
         return KVBlock(tuple(ids), payload, start, self.fingerprint, self.config.namespace, kind=kind,
@@ -82,18 +82,18 @@ class PrefillMixin(EngineBase):
         t_tok = time.perf_counter()
         # Repaired (approximate) prefixes are served only where this engine stores them: never by default.
         allow_repaired = spec.repair != "full" and spec.reuse_repaired and self.config.store_repaired
-        if self.adapter.no_reuse:
+        if self.driver.no_reuse:
             plan = Plan(token_ids=[t for s in segs for t in s.token_ids], chunks=chunks, status=[FRESH] * total,
                         misses=total)
         else:
             plan = lookup(self.store, segs, chunks, namespace=self.config.namespace, fingerprint=self.fingerprint,
                           spans_of=self.spans, sink_tokens=self.config.sink_tokens,
-                          allow_approx=self.adapter.rope.rerotatable, allow_repaired=allow_repaired,
+                          allow_approx=self.driver.rope.rerotatable, allow_repaired=allow_repaired,
                           precision=kv_precision(self.config.kv_bits, self.config.kv_group_size))
         t_lookup = time.perf_counter()
-        ctx = self.adapter.max_context or (total + n_new)
+        ctx = self.driver.max_context or (total + n_new)
         cache = self.new_cache(max(total, min(total + n_new, ctx)))
-        a = self.adapter
+        a = self.driver
         place(plan, cache.keys, cache.values, a.inner.rotary_emb if a.layerwise else None)
         t_place = time.perf_counter()
         ids_t = torch.tensor(plan.token_ids, device=a.device)
@@ -160,7 +160,7 @@ class PrefillMixin(EngineBase):
             hits_content=plan.hits_content, misses=plan.misses)
 
     def _store_prefix(self, plan: Plan, cache: ScatterCache, spec: RepairSpec, enabled: bool | None) -> None:
-        if not (self.config.store_prefix if enabled is None else enabled) or self.adapter.no_reuse:
+        if not (self.config.store_prefix if enabled is None else enabled) or self.driver.no_reuse:
             return
         # KV is exact up to the first approximate position: a re-placed token that was not recomputed in
         # every layer with an exact context, or a repaired prefix hit. Chunks past it are stored as "repaired".
@@ -192,7 +192,7 @@ class PrefillMixin(EngineBase):
         ``reuse_repaired=False`` ignores prefix entries stored from earlier repaired (approximate) prefills, so
         the call measures its own strategy; ``repair="full"`` always ignores them."""
         t0 = time.perf_counter()
-        opts = call_options(self.config, self.adapter.num_layers, dict(
+        opts = call_options(self.config, self.driver.num_layers, dict(
             repair=repair, recompute_ratio=recompute_ratio, select=select, check_layer=check_layer,
             reuse_repaired=reuse_repaired, recompute_mass=recompute_mass, query_tokens=query_tokens,
             recheck_layer=recheck_layer, recheck_ratio=recheck_ratio, add_special_tokens=add_special_tokens,

@@ -1,6 +1,6 @@
 """Reusing a check layer's Q/K/V projections for the rows it keeps.
 
-CacheBlend's check layer first computes K/V for every scored row (:meth:`ModelAdapter.layer_kv`: the layer runs
+CacheBlend's check layer first computes K/V for every scored row (:meth:`ModelDriver.layer_kv`: the layer runs
 up to its ``cache.update``, so its Q, K and V projections all run), then runs the whole layer again for the rows
 it keeps. The second pass would project those rows again; :func:`capture` keeps the first pass's projection
 outputs and :func:`replaying` makes the second pass read its rows of them instead, with no per-family code:

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from kvboost_core.adapters import ModelAdapter, ScatterCache
     from kvboost_core.assembly import Chunk, Plan
     from kvboost_core.config import EngineConfig
+    from kvboost_core.driver import ModelDriver, ScatterCache
     from kvboost_core.keys import Fingerprint
     from kvboost_core.repair import RepairSpec
     from kvboost_core.results import AssembledCache, Counters, PrefillStats
@@ -41,7 +41,7 @@ class EngineStages(Protocol):
     @property
     def config(self) -> EngineConfig: ...
     @property
-    def adapter(self) -> ModelAdapter: ...
+    def driver(self) -> ModelDriver: ...
     @property
     def store(self) -> KVStore: ...
     @property

@@ -33,7 +33,7 @@ class WarmMixin(PrefillMixin):
             ids = list(seg.token_ids) if seg.token_ids is not None else self.encode(seg.text or "")
             check_vocab(ids, self._vocab)
             doc_ids.append(ids)
-            if not ids or self.adapter.no_reuse:
+            if not ids or self.driver.no_reuse:
                 continue
             spans = self.spans(ids)
             prec = kv_precision(self.config.kv_bits, self.config.kv_group_size)
@@ -41,7 +41,7 @@ class WarmMixin(PrefillMixin):
             if all(self._holds_content(k, ids[a:b]) for k, (a, b) in zip(keys, spans)):
                 already += 1
                 continue
-            if not self.adapter.layerwise:
+            if not self.driver.layerwise:
                 # prefix-only models cannot re-place a document: store it as a prompt prefix instead
                 self.prefill([Segment(token_ids=ids)], store_prefix=True)
                 warmed += 1
@@ -51,9 +51,9 @@ class WarmMixin(PrefillMixin):
             full = prefix + ids
             self._check_context(len(full))
             cache = self.new_cache(len(full))
-            ids_t = torch.tensor(full, device=self.adapter.device)
+            ids_t = torch.tensor(full, device=self.driver.device)
             positions = torch.arange(len(full), device=ids_t.device)  # the lead-in is computed, not stored
-            run_forward(self.adapter, ids_t, cache, Schedule(base=positions, candidates=positions[:0]), len(full))
+            run_forward(self.driver, ids_t, cache, Schedule(base=positions, candidates=positions[:0]), len(full))
             stored_all = True
             for (a, b), key in zip(spans, keys):
                 block = self.stored_block(cache, ids[a:b], len(prefix) + a, kind="content", parent=None)

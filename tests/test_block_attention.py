@@ -144,15 +144,15 @@ def _paths(engine, prompt):
     ids = list(pre.result.token_ids)
     cache = pre.result.cache
     total = len(ids)
-    all_ids = torch.tensor(ids + [5, 9, 7], device=engine.adapter.device)
-    from kvboost_core.adapters import ScatterCache
+    all_ids = torch.tensor(ids + [5, 9, 7], device=engine.driver.device)
+    from kvboost_core.driver import ScatterCache
 
     def grown(bufs):  # room for the decoded tokens: (1, H, total + 3, D)
         return [torch.cat((b[:, :, :total], b.new_zeros(*b.shape[:2], 3, b.shape[3])), dim=2) for b in bufs]
 
     buf = ScatterCache(grown(cache.keys), grown(cache.values))
     for i in range(3):
-        out[f"decode{i}"] = decode_step(engine.adapter, all_ids, total + i, buf).float()
+        out[f"decode{i}"] = decode_step(engine.driver, all_ids, total + i, buf).float()
     return out
 
 

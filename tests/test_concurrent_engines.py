@@ -1,5 +1,5 @@
 """An engine built on a model while another engine's forward runs on it (the backfill thread makes that routine)
-must leave that forward intact. ``ModelAdapter.for_model`` reset the model's attention name to "sdpa" while the
+must leave that forward intact. ``ModelDriver.for_model`` reset the model's attention name to "sdpa" while the
 forward had it switched to kvboost's wrapper, and the forward's next layer handed its ``RowBlocks`` to plain SDPA
 (issue #33: ``AttributeError: 'RowBlocks' object has no attribute 'shape'``)."""
 
@@ -45,7 +45,7 @@ def test_an_engine_built_during_a_forward_on_the_same_model_leaves_that_forward_
     def build():
         try:
             assert paused.wait(WAIT_S)
-            built.append(engine_for(model, tokenizer, backfill=False))  # ModelAdapter.for_model on the same model
+            built.append(engine_for(model, tokenizer, backfill=False))  # ModelDriver.for_model on the same model
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:

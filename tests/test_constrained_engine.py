@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from kvboost_core.adapters import output_cache  # noqa: E402
+from kvboost_core.driver import output_cache  # noqa: E402
 from kvboost_core.engine import KVEngine  # noqa: E402
 from kvboost_rag import KVBoostRAG  # noqa: E402
 from kvboost_rag.constrained import JsonConstraint, generate_json  # noqa: E402

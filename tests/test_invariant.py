@@ -15,7 +15,7 @@ from kvboost_core.invariant import rowwise_attention
 
 def _steps(engine: KVEngine, prompts: list[list[Segment]], steps: int = 4) -> list[list[torch.Tensor]]:
     """Greedy logits of every prompt decoded together in one batch, per step."""
-    dec = BatchedDecoder(engine.adapter, 8)
+    dec = BatchedDecoder(engine.driver, 8)
     pres = [prefill(engine, p, store_prefix=False) for p in prompts]
     slots = [dec.add(p.result.cache.keys, p.result.cache.values, len(p.result.token_ids),
                      len(p.result.token_ids) + steps) for p in pres]

@@ -29,7 +29,7 @@ def test_a_prefill_returns_typed_stats_whose_counts_partition_the_prompt(engine:
         assert isinstance(st, PrefillStats) and st.repair == repair
         parts = st.reused_exact + st.reused_block + st.reused_approx + st.reused_repaired + st.recomputed + st.computed
         assert parts == st.prompt_tokens == len(engine.tokenize_ids(prompt))
-        assert st.prefill_s >= st.forward_s > 0 and len(st.tokens_per_layer) == engine.adapter.num_layers
+        assert st.prefill_s >= st.forward_s > 0 and len(st.tokens_per_layer) == engine.driver.num_layers
     assert st.recomputed > 0 and st.reused_approx == 0  # full: every re-placed token computed again
 
 

@@ -192,4 +192,4 @@ def test_batched_decode_refuses_a_reader(tmp_path):
 
     eng, _ = _pair(tmp_path, 0.0)
     with pytest.raises(ValueError, match="reader"):
-        BatchedDecoder(eng.adapter, 4)
+        BatchedDecoder(eng.driver, 4)

@@ -59,13 +59,13 @@ def test_replayed_projections_equal_projecting_again(tokenizer, monkeypatch, arc
         assert (new.last_logits.float() - old.last_logits.float()).abs().max().item() <= 1e-4, kw
         assert (new_batch.float() - old_batch.float()).abs().max().item() <= 1e-4, kw
         assert max((a - b).abs().max().item() for a, b in zip(new_kv, old_kv)) <= 1e-4, kw
-    for layer in engine.adapter.inner.layers:  # every override removed
+    for layer in engine.driver.inner.layers:  # every override removed
         assert all("forward" not in vars(m) for m in replay.projections(layer.self_attn).values())
 
 
 def test_each_projection_runs_once_per_row_at_the_check_layer(tokenizer, monkeypatch):
     engine = _engine(tokenizer, "llama", "sdpa")
-    attn = engine.adapter.inner.layers[1].self_attn
+    attn = engine.driver.inner.layers[1].self_attn
     rows: list[int] = []
     linear = torch.nn.Linear.forward
 
@@ -89,7 +89,7 @@ def test_each_projection_runs_once_per_row_at_the_check_layer(tokenizer, monkeyp
 
 def test_another_thread_is_never_served_the_captured_rows(tokenizer):
     engine = _engine(tokenizer, "llama", "sdpa")
-    attn = engine.adapter.inner.layers[0].self_attn
+    attn = engine.driver.inner.layers[0].self_attn
     x = torch.randn(1, 6, 144)
     with torch.inference_mode(), replay.capture(attn) as captured:
         attn.k_proj(x)

@@ -57,7 +57,7 @@ def _run(sched: Scheduler, rag: KVBoostRAG, prompts: list[str]) -> list[Events]:
 
 
 def _solo(rag: KVBoostRAG, deterministic: bool) -> list[str]:
-    sched = Scheduler(rag.engine.adapter, max_batch=3, deterministic=deterministic)
+    sched = Scheduler(rag.engine.driver, max_batch=3, deterministic=deterministic)
     sched.start()
     try:
         out = []
@@ -124,7 +124,7 @@ def test_nan_kv_in_one_row_fails_that_request_only(rag, deterministic):
     lengths = [_n_tokens(rag, p) for p in PROMPTS]
     assert lengths[POISONED] == max(lengths) and len(set(lengths)) == len(lengths)
     solo = _solo(rag, deterministic)
-    sched = Scheduler(rag.engine.adapter, max_batch=3, deterministic=deterministic)
+    sched = Scheduler(rag.engine.driver, max_batch=3, deterministic=deterministic)
     _poison_kv(sched, lengths[POISONED])
     sched.start()
     try:
@@ -141,7 +141,7 @@ def test_nan_first_token_logits_fail_that_request_only(rag, monkeypatch):
     solo = _solo(rag, True)
     _poison_prefill(monkeypatch, lengths[POISONED])
     for chunk in (None, 8):  # whole prefill in one iteration, and chunked
-        sched = Scheduler(rag.engine.adapter, max_batch=3, prefill_chunk=chunk)
+        sched = Scheduler(rag.engine.driver, max_batch=3, prefill_chunk=chunk)
         sched.start()
         try:
             _check(_run(sched, rag, PROMPTS), solo)

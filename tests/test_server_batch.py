@@ -28,7 +28,7 @@ def _batched(engine: KVEngine, prompts, n_new: list[int], arrivals: list[int], m
              deterministic: bool = True) -> list[list[int]]:
     """Greedy decode with the batch; request i joins at step arrivals[i] (when a row is free) and leaves at EOS
     or after n_new[i] tokens, as engine.generate does."""
-    dec = BatchedDecoder(engine.adapter, max_batch, deterministic=deterministic)
+    dec = BatchedDecoder(engine.driver, max_batch, deterministic=deterministic)
     outs: list[list[int]] = [[] for _ in prompts]
     live: dict = {}  # slot -> (request index, next token)
     waiting = list(range(len(prompts)))
@@ -77,10 +77,10 @@ def test_batch_of_one_and_validation(tokenizer, tiny_llama):
     ref = engine.generate(prompt, max_new_tokens=6, store_prefix=False).token_ids
     assert _batched(engine, [prompt], [6], [0], max_batch=1) == [ref]
     with pytest.raises(ValueError, match="max_batch"):
-        BatchedDecoder(engine.adapter, 0)
+        BatchedDecoder(engine.driver, 0)
     with pytest.raises(TypeError, match="deterministic"):
-        BatchedDecoder(engine.adapter, 1, deterministic=1)  # type: ignore[arg-type]
-    dec = BatchedDecoder(engine.adapter, 1)
+        BatchedDecoder(engine.driver, 1, deterministic=1)  # type: ignore[arg-type]
+    dec = BatchedDecoder(engine.driver, 1)
     pre = prefill(engine, prompt, store_prefix=False)
     n = len(pre.result.token_ids)
     slot = dec.add(pre.result.cache.keys, pre.result.cache.values, n, n + 1)
@@ -92,6 +92,6 @@ def test_batch_of_one_and_validation(tokenizer, tiny_llama):
     with pytest.raises(RuntimeError, match="capacity"):
         dec.step({slot: 5})
     # one request on a batch of 8 holds one row of n + 1 slots, not eight rows
-    wide = BatchedDecoder(engine.adapter, 8)
+    wide = BatchedDecoder(engine.driver, 8)
     wide.add(pre.result.cache.keys, pre.result.cache.values, n, n + 1)
     assert wide.nbytes * n == wide.used_bytes() * (n + 1)

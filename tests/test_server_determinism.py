@@ -90,8 +90,8 @@ def _check(model: Any, tokenizer: Any, docs: list[str], target: dict[str, Any], 
         rag.warm_documents(docs, progress=False)
         return rag
 
-    (cold,) = _serve_once(base.adapter, fresh(), [target], rec)  # (a) cold, unchunked, alone
-    sched = Scheduler(base.adapter, max_batch=4, prefill_chunk=prefill_chunk)
+    (cold,) = _serve_once(base.driver, fresh(), [target], rec)  # (a) cold, unchunked, alone
+    sched = Scheduler(base.driver, max_batch=4, prefill_chunk=prefill_chunk)
     sched.start()
     try:
         rag = fresh()
@@ -184,7 +184,7 @@ def test_chunked_prefill_interleaves_decode_and_changes_no_bit(monkeypatch):
         rec = Recorder()
         monkeypatch.setattr(sched_mod, "sample", rec)
         rag = KVBoostRAG(KVEngine(eng.model, eng.tokenizer, eng.config))
-        sched = Scheduler(eng.adapter, max_batch=4, prefill_chunk=chunk)
+        sched = Scheduler(eng.driver, max_batch=4, prefill_chunk=chunk)
         sched.start()
         events.clear()
         try:

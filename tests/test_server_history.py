@@ -87,7 +87,7 @@ def _chat(demo: Any, docs: list[str], state: str, tmp: Path, *, namespace: str =
         rag.warm_documents(docs, progress=False)
         return rag
 
-    sched = Scheduler(demo.adapter, max_batch=2, warm_budget=1)  # a backfill slice is one chunk
+    sched = Scheduler(demo.driver, max_batch=2, warm_budget=1)  # a backfill slice is one chunk
     slices = _Slices(sched)
     sched.start()
     rag = fresh()
@@ -187,7 +187,7 @@ def test_a_tenant_never_reads_another_tenants_history(demo: Any, docs: list[str]
     messages = [{"role": "system", "content": "Answer from the documents."},
                 {"role": "user", "content": dd.build_prompt(docs, QUESTIONS[0])},
                 {"role": "assistant", "content": a[0][0]}, {"role": "user", "content": QUESTIONS[1]}]
-    sched = Scheduler(demo.adapter, max_batch=2)
+    sched = Scheduler(demo.driver, max_batch=2)
     _Slices(sched)
     sched.start()
     try:
@@ -226,7 +226,7 @@ def test_a_waiting_request_waits_for_one_backfill_slice_at_most(demo: Any, docs:
 
     rag = KVBoostRAG(KVEngine(demo.model, demo.tokenizer, demo.config))
     rag.warm_documents(docs, progress=False)
-    sched = Scheduler(demo.adapter, max_batch=2, warm_budget=1)  # a slice is one chunk
+    sched = Scheduler(demo.driver, max_batch=2, warm_budget=1)  # a slice is one chunk
     events: list[tuple[str, float]] = []
     real_step = sched.backfills.step
 
@@ -264,7 +264,7 @@ def test_a_rewritten_answer_is_history_computed_exactly_and_changes_nothing_stor
         rag.warm_documents(docs, progress=False)
         return rag
 
-    sched = Scheduler(demo.adapter, max_batch=2, warm_budget=1)
+    sched = Scheduler(demo.driver, max_batch=2, warm_budget=1)
     slices = _Slices(sched)
     sched.start()
     try:

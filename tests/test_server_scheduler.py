@@ -48,7 +48,7 @@ class Exploding:
 def rig(tokenizer, tiny_llama):
     rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
     rag.warm_documents(CORPUS[:3], progress=False)
-    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4)
+    sched = Scheduler(rag.engine.driver, max_batch=2, max_queue=4)
     sched.start()
     yield rag, sched
     sched.shutdown()
@@ -116,4 +116,4 @@ def test_cancel_frees_the_slot_and_queue_bound(rig):
     assert sched.running == 0 and sched.queue_depth == 0 and sched.decoder.nbytes == 0
     assert not any(k in ("done", "error") for r in reqs for k, _ in r.emit.items)  # cancelled: no reply
     with pytest.raises(ValueError, match="max_queue"):
-        Scheduler(rag.engine.adapter, max_queue=-1)
+        Scheduler(rag.engine.driver, max_queue=-1)

@@ -30,7 +30,7 @@ def _decode_while_warming(rag: Any, warm_rag: Any, docs: list[str], budget: int,
     """A request decodes; ``docs`` are warmed into ``warm_rag`` through the scheduler meanwhile. Logs "step"
     per decode step and "layer" per layer the warm computes; returns the finished job. ``share``: the
     scheduler's warm_step_share (None: the token budget alone)."""
-    sched = Scheduler(rag.engine.adapter, max_batch=2, max_queue=4, warm_budget=budget, warm_step_share=share)
+    sched = Scheduler(rag.engine.driver, max_batch=2, max_queue=4, warm_budget=budget, warm_step_share=share)
     step = sched.decoder.step
     sched.decoder.step = lambda *a, **kw: (log.append("step"), step(*a, **kw))[1]  # type: ignore[method-assign]
     done = threading.Event()
@@ -79,7 +79,7 @@ def test_warm_requests_are_interleaved_with_decode_steps(tokenizer, tiny_llama, 
     warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
     job = _decode_while_warming(rag, warm_rag, DOCS, 1, layer_log)
     totals = job.future.result()
-    layers = warm_rag.engine.adapter.num_layers
+    layers = warm_rag.engine.driver.num_layers
     assert totals.documents == len(DOCS) and totals.warmed == len(DOCS)
     assert all(warm_rag.is_warm(d) for d in DOCS)
     first, last = layer_log.index("layer"), len(layer_log) - 1 - layer_log[::-1].index("layer")
@@ -103,9 +103,9 @@ def test_while_requests_decode_a_slice_ends_after_its_share_of_a_decode_step(tok
     rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
     warm_rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
     job = _decode_while_warming(rag, warm_rag, DOCS[:3], 10**9, layer_log, share=1e-9)
-    assert job.future.result().warmed == 3 and job.steps >= 3 * warm_rag.engine.adapter.num_layers
+    assert job.future.result().warmed == 3 and job.steps >= 3 * warm_rag.engine.driver.num_layers
     with pytest.raises(ValueError, match="warm_step_share"):
-        Scheduler(rag.engine.adapter, warm_step_share=0)
+        Scheduler(rag.engine.driver, warm_step_share=0)
 
 
 def test_a_sliced_warm_stores_the_same_bits_as_an_in_process_warm(tokenizer, tiny_llama):
@@ -131,7 +131,7 @@ def test_a_sliced_warm_stores_the_same_bits_as_an_in_process_warm(tokenizer, tin
 def test_shutdown_stops_a_paused_warm(tokenizer, tiny_llama):
     """A server shutting down in the middle of a warm answers it 503 and its paused thread ends."""
     rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
-    sched = Scheduler(rag.engine.adapter, max_batch=1, warm_budget=1)
+    sched = Scheduler(rag.engine.driver, max_batch=1, warm_budget=1)
     job = sched.warm(rag, DOCS)  # queued before the loop starts: shut down after its first slices
     sched.start()
     while job.steps < 2 and not job.future.done():
@@ -146,10 +146,10 @@ def test_shutdown_stops_a_paused_warm(tokenizer, tiny_llama):
 
 def test_a_refused_document_fails_its_warm_only(tokenizer, tiny_llama):
     rag = KVBoostRAG(KVEngine(tiny_llama, tokenizer, sink_tokens=4))
-    sched = Scheduler(rag.engine.adapter, max_batch=1, warm_budget=64)
+    sched = Scheduler(rag.engine.driver, max_batch=1, warm_budget=64)
     sched.start()
     try:
-        ctx = rag.engine.adapter.max_context
+        ctx = rag.engine.driver.max_context
         job = sched.warm(rag, [DOCS[0], "word " * (ctx + 50)])
         with pytest.raises(Exception) as err:
             job.future.result(timeout=120)
@@ -197,7 +197,7 @@ def test_documents_request_limits_are_413(client):
 
 
 def test_over_context_document_is_a_400_with_token_counts(client):
-    ctx = client.app.state.kv.base.engine.adapter.max_context
+    ctx = client.app.state.kv.base.engine.driver.max_context
     r = client.post("/v1/documents", json={"documents": ["ab " * (ctx + 10)]})
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]

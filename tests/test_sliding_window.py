@@ -47,7 +47,7 @@ def _hf_greedy(model, ids, n):
 def test_one_warning_per_engine(sliding):
     _, eng, caught = sliding
     assert len(caught) == 1 and "sliding-window" in str(caught[0].message)
-    assert eng.adapter.no_reuse
+    assert eng.driver.no_reuse
 
 
 def test_long_prompt_and_warmed_document_run_as_plain_hf(sliding):

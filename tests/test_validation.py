@@ -84,7 +84,7 @@ def test_prefill_rejects(eng, kw, exc, name):
 
 def test_check_layer_is_never_silently_ignored(eng):
     """The probe: check_layer -1 used to run every token through every layer while reporting 97% reuse."""
-    last = eng.adapter.num_layers - 1
+    last = eng.driver.num_layers - 1
     res = eng.prefill([Segment(text=CORPUS[1], cacheable=True), Segment(text=" Why?")], repair="cacheblend",
                       check_layer=last, store_prefix=False)
     assert res.stats["tokens_per_layer"][-1] < res.stats["prompt_tokens"]  # selection happened at the last layer
@@ -139,7 +139,7 @@ def test_config_rejects(kw, exc, name):
 def test_config_check_layer_past_the_model_is_clamped(tiny_llama, tokenizer):
     e = engine_for(tiny_llama, tokenizer, check_layer=50)  # the config does not know the model: clamped
     res = e.prefill([Segment(text=CORPUS[0], cacheable=True), Segment(text=" Why?")], store_prefix=False)
-    assert len(res.stats["tokens_per_layer"]) == e.adapter.num_layers
+    assert len(res.stats["tokens_per_layer"]) == e.driver.num_layers
 
 
 def test_cli_fidelity_rejects_a_negative_check_layer(tmp_path, capsys):

@@ -43,9 +43,9 @@ from kvboost_rag.aio import run_blocking
 n, logits = asyncio.run(run_blocking(run))
 out["aio"], out["aio_equal"] = n, bool(torch.equal(logits, ref))
 
-from kvboost_core.adapters import ModelAdapter
+from kvboost_core.driver import ModelDriver
 from kvboost_rag.app.server.scheduler import Scheduler
-sched = Scheduler(ModelAdapter.for_model(model), max_batch=1)  # built here, after --threads, as the server does
+sched = Scheduler(ModelDriver.for_model(model), max_batch=1)  # built here, after --threads, as the server does
 sched.start()
 n, logits = sched.call(run).result(timeout=300)
 sched.shutdown()

@@ -39,10 +39,10 @@ class KVGeometry:
             raise ValueError(f"KVGeometry.dtype must be a float dtype, got {self.dtype}")
 
     @classmethod
-    def for_engine(cls, adapter: Any, config: Any) -> KVGeometry:
-        """From a ``ModelAdapter`` and an ``EngineConfig``."""
-        return cls(int(adapter.num_layers), int(adapter.num_kv_heads), int(adapter.head_dim),
-                   int(config.chunk_size) + int(config.boundary_window), adapter.dtype)
+    def for_engine(cls, driver: Any, config: Any) -> KVGeometry:
+        """From a ``ModelDriver`` and an ``EngineConfig``."""
+        return cls(int(driver.num_layers), int(driver.num_kv_heads), int(driver.head_dim),
+                   int(config.chunk_size) + int(config.boundary_window), driver.dtype)
 
     @property
     def dense_dtypes(self) -> frozenset[torch.dtype]:

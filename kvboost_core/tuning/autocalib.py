@@ -148,7 +148,7 @@ def run(engine: Any, docs: Sequence[Sequence[int]], *, budget_s: float, prompts:
         max_kl: float = MAX_KL, min_top1: float = MIN_TOP1, save: bool = True) -> Calibration:
     """Calibrate ``engine`` on probe prompts from ``docs`` (or on ``prompts``), apply and cache the result."""
     probes = list(prompts) if prompts is not None else probe_prompts(docs, engine.warm_prefix_ids)
-    settings = grid(engine.adapter.num_layers, RATIOS, max_check_layer=2)
+    settings = grid(engine.driver.num_layers, RATIOS, max_check_layer=2)
     cal = calibrate(engine, probes, max_kl=max_kl, min_top1=min_top1, settings=settings, budget_s=budget_s)
     apply(engine, cal, "measured")
     path = save_cached(engine, cal) if save and prompts is None else None

@@ -100,7 +100,7 @@ def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_
     if budget_s is not None and not budget_s > 0:
         raise ValueError(f"budget_s must be > 0 or None, got {budget_s!r}")
     t0 = time.perf_counter()
-    n_layers = engine.adapter.num_layers
+    n_layers = engine.driver.num_layers
     # the reference once per prompt: a plain full prefill of exactly the ids the reuse path sees
     refs = [engine.full_prefill_logits(engine.tokenize_ids(p)) for p in prompts]
     trials: list[Trial] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core.adapters import output_cache
+from kvboost_core.driver import output_cache
 from kvboost_core.segments import Segment
 
 
@@ -140,14 +140,14 @@ def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int
     """Full-prefill greedy continuation through HF's own forward, and the timed prefill (TTFT) of it."""
     model = engine.model
     t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([list(ids)], device=engine.adapter.device), use_cache=True,
+    out = model(input_ids=torch.tensor([list(ids)], device=engine.driver.device), use_cache=True,
                 logits_to_keep=1)
     tok = int(torch.argmax(out.logits[0, -1]))
     ttft = time.perf_counter() - t0
     cache = output_cache(out)
     toks = [tok]
     for _ in range(n - 1):
-        out = model(input_ids=torch.tensor([[tok]], device=engine.adapter.device), cache=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[tok]], device=engine.driver.device), cache=cache, use_cache=True)
         cache = output_cache(out)
         tok = int(torch.argmax(out.logits[0, -1]))
         toks.append(tok)

@@ -49,7 +49,7 @@ __all__ = ["Finished", "GenRequest", "QueueFull", "Scheduler", "Started"]
 
 
 class Scheduler:
-    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
+    def __init__(self, driver: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
                  step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True,
                  warm_budget: int = 256, warm_step_share: float | None = WARM_SLICE_OF_STEP) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
@@ -67,7 +67,7 @@ class Scheduler:
         self.warm_step_share = warm_step_share  # None: the token budget alone bounds a warm slice
         self._warms: collections.deque[WarmJob] = collections.deque()  # document warms, oldest first
         self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
-        self.decoder = BatchedDecoder(adapter, max_batch, deterministic=deterministic)
+        self.decoder = BatchedDecoder(driver, max_batch, deterministic=deterministic)
         self.max_queue = max_queue
         self.metrics = metrics
         self.step_delay = step_delay  # tests only: slows decode so backpressure can be observed deterministically
@@ -246,7 +246,7 @@ class Scheduler:
                 prompt, special = r.prompt or "", None
                 plan = r.rag.plan(prompt, add_special_tokens=special)
             n_prompt = sum(len(s.token_ids) if s.token_ids is not None else 0 for s in plan.segments)
-            ctx = r.rag.engine.adapter.max_context
+            ctx = r.rag.engine.driver.max_context
             if r.fill_context:
                 r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
             self._check_limits(r, n_prompt)
@@ -316,7 +316,7 @@ class Scheduler:
             self._leave(r.slot)
 
     def _check_limits(self, r: GenRequest, n_prompt: int) -> None:
-        ctx = r.rag.engine.adapter.max_context
+        ctx = r.rag.engine.driver.max_context
         if ctx and n_prompt + r.params.max_new_tokens > ctx:
             param = "messages" if n_prompt >= ctx else "max_tokens"
             raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {n_prompt} tokens and "

@@ -84,7 +84,7 @@ def default_state(rag: Any, model_name: str, *, keys: dict[str, str] | None = No
                   max_document_bytes: int = 8 * 2**20) -> ServerState:
     metrics = Metrics()
     keyring = KeyRing(keys)
-    scheduler = Scheduler(rag.engine.adapter, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
+    scheduler = Scheduler(rag.engine.driver, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
                           step_delay=step_delay, prefill_chunk=prefill_chunk, deterministic=deterministic,
                           warm_budget=warm_budget)
     state = ServerState(rag, model_name, scheduler, keyring, metrics, request_timeout=request_timeout,

@@ -2,7 +2,7 @@
 
 This is the only model-specific module. Llama-like families (pre-norm decoder layers that call
 ``cache.update(k, v, layer_idx)`` after RoPE and take ``position_embeddings`` from ``model.model.rotary_emb``)
-share one adapter; others are refused with a clear error. Everything model-specific the engine needs is here:
+share one driver; others are refused with a clear error. Everything model-specific the engine needs is here:
 embedding, rotary cos/sin, running one layer, the final norm and the LM head, and per-layer sliding windows.
 """
 
@@ -39,7 +39,7 @@ class ScatterCache:
     a suffix) and returns the buffers up to ``length``, so attention sees cached and fresh entries alike. An
     optional ``on_update(layer, k_new, v_new)`` hook runs first: CacheBlend uses it to compare fresh K/V with
     the cached entries before they are overwritten. With ``kv_only`` set, ``update`` raises :class:`KVWritten`
-    after writing, so a layer costs its norm and Q/K/V projections only (see :meth:`ModelAdapter.layer_kv`).
+    after writing, so a layer costs its norm and Q/K/V projections only (see :meth:`ModelDriver.layer_kv`).
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -72,7 +72,7 @@ class ScatterCache:
 
 
 @dataclass
-class ModelAdapter:
+class ModelDriver:
     model: Any
     inner: Any  # model.model
     num_layers: int
@@ -88,7 +88,7 @@ class ModelAdapter:
     reader: Any = None  # a kvboost_core.lora.reader.ReaderAdapter attached to the model, or None
 
     @classmethod
-    def for_model(cls, model: Any) -> ModelAdapter:
+    def for_model(cls, model: Any) -> ModelDriver:
         cfg = model.config
         mtype = getattr(cfg, "model_type", "?")
         if getattr(cfg, "is_encoder_decoder", False) or not callable(getattr(model, "generate", None)):
@@ -115,7 +115,7 @@ class ModelAdapter:
                    max_context=int(getattr(cfg, "max_position_embeddings", 0) or 0))
 
     @classmethod
-    def _prefix_only(cls, model: Any, reason: str) -> ModelAdapter:
+    def _prefix_only(cls, model: Any, reason: str) -> ModelDriver:
         """Exact-prefix reuse through the model's own forward: correct for any causal LM whose HF cache is
         (B, H, T, D) per layer, because an identical prefix at identical positions needs no re-rotation."""
         cfg = model.config
@@ -123,7 +123,7 @@ class ModelAdapter:
         windows = _sliding_windows(cfg, cfg.num_hidden_layers)
         no_reuse = None
         if any(w is not None for w in windows):
-            # the engine warns once, when it is built on this adapter
+            # the engine warns once, when it is built on this driver
             no_reuse = (f"{reason}; its sliding-window layers keep only the last {max(w or 0 for w in windows)} "
                         "tokens in HF's cache, so no KV is reused: plain HF generation")
         else:
