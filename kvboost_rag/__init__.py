@@ -15,15 +15,15 @@ from kvboost_core.lazy import lazy_exports
 
 # name -> module that defines it; resolved on first attribute access (PEP 562)
 _EXPORTS = {
-    "KVBoostRAG": "kvboost_rag.adapter", "PromptPlan": "kvboost_rag.adapter", "doc_stats": "kvboost_rag.adapter",
+    "KVBoostRAG": "kvboost_rag.rag", "PromptPlan": "kvboost_rag.rag", "doc_stats": "kvboost_rag.rag",
     "document_text": "kvboost_rag.documents", "document_texts": "kvboost_rag.documents",
     "DocumentRegistry": "kvboost_rag.registry", "RegisteredDoc": "kvboost_rag.registry",
     "doc_key": "kvboost_rag.registry", "WarmReport": "kvboost_rag.warming",
 }
 
 if TYPE_CHECKING:
-    from kvboost_rag.adapter import KVBoostRAG, PromptPlan, doc_stats
     from kvboost_rag.documents import document_text, document_texts
+    from kvboost_rag.rag import KVBoostRAG, PromptPlan, doc_stats
     from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, doc_key
     from kvboost_rag.warming import WarmReport
 

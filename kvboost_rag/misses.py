@@ -1,6 +1,6 @@
 """Noticing retrieved documents that were never warmed, so a miss is never silent.
 
-A transparent prompt is flat text: the adapter finds *warmed* documents in it, but cannot tell an unwarmed
+A transparent prompt is flat text: KVBoostRAG finds *warmed* documents in it, but cannot tell an unwarmed
 document from the rest of the prompt. What makes the miss detectable is knowing what was retrieved:
 
 - the framework skins hook retrieval (LangChain: a callback handler added to every run; LlamaIndex: an
@@ -8,7 +8,7 @@ document from the rest of the prompt. What makes the miss detectable is knowing 
   they are rendered into prompts;
 - explicit mode (``kv_documents=[...]``) names the documents itself.
 
-A retrieved text found verbatim in the prompt but absent from the adapter's registry is a miss. Prompts
+A retrieved text found verbatim in the prompt but absent from KVBoostRAG's registry is a miss. Prompts
 built without a hooked retriever (hand-written prompts, custom retrievers that bypass callbacks) cannot be
 checked: the count is then 0, not a claim that everything hit.
 """

@@ -1,6 +1,6 @@
 """What each call reports to the framework skins, from its :class:`~kvboost_core.results.GenerationResult`.
 
-Apart from :mod:`kvboost_rag.adapter` so the skins can import it without torch: ``import langchain_kvboost``
+Apart from :mod:`kvboost_rag.rag` so the skins can import it without torch: ``import langchain_kvboost``
 and ``import llama_index.llms.kvboost`` stay light until an engine is built.
 """
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvboost_core.results import GenerationResult
 
 # What the framework skins report of each call: LangChain's response_metadata["kvboost"] / generation_info,
-# LlamaIndex's additional_kwargs["kvboost"]. The call's own figures, never the adapter's last_stats (calls may
+# LlamaIndex's additional_kwargs["kvboost"]. The call's own figures, never KVBoostRAG's last_stats (calls may
 # run concurrently).
 CALL_INFO_KEYS = ("ttft_s", "reuse_ratio", "reused_exact", "reused_block", "reused_approx", "reused_repaired",
                   "recomputed", "doc_tokens", "doc_tokens_reused", "doc_tokens_kept", "doc_tokens_cached",

@@ -22,8 +22,8 @@ from llama_index.llms.kvboost import KVBoostLLM as LILLM  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from kvboost_core.engine import KVEngine  # noqa: E402
-from kvboost_rag.adapter import KVBoostRAG  # noqa: E402
 from kvboost_rag.options import load_device, one_device  # noqa: E402
+from kvboost_rag.rag import KVBoostRAG  # noqa: E402
 from kvboost_rag.tiny import tiny_model_and_tokenizer  # noqa: E402
 
 PROMPT = "Alice lives in Portvale and works as a chemist. Where does Alice live?"

@@ -22,7 +22,7 @@ from llama_index.llms.kvboost import KVBoostLLM as LILLM  # noqa: E402
 
 from kvboost_core.engine import KVEngine  # noqa: E402
 from kvboost_core.results import GenerationResult  # noqa: E402
-from kvboost_rag.adapter import KVBoostRAG, StopOnTokens, openai_finish_reason, usage_counts  # noqa: E402
+from kvboost_rag.rag import KVBoostRAG, StopOnTokens, openai_finish_reason, usage_counts  # noqa: E402
 from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer  # noqa: E402
 
 DOCS = synthetic_facts(4)

@@ -125,7 +125,7 @@ def cycles(modules: dict[str, Path]) -> list[list[str]]:
 
 def test_the_tree_is_found():
     mods = _modules()
-    for name in ("kvboost_core.engine", "kvboost_rag.adapter", "kvboost_rag.app.cli", "langchain_kvboost",
+    for name in ("kvboost_core.engine", "kvboost_rag.rag", "kvboost_rag.app.cli", "langchain_kvboost",
                  "llama_index.llms.kvboost.base"):
         assert name in mods
 
@@ -175,8 +175,8 @@ def test_the_cli_is_imported_by_no_other_module():
     ("kvboost_rag.x", "from .app import cli\n", ["kvboost_rag.x -> kvboost_rag.app", "kvboost_rag.x -> kvboost_rag.app.cli"]),
     ("kvboost_rag.x", "import importlib\nimportlib.import_module('llama_index.llms.kvboost')\n",
      ["kvboost_rag.x -> llama_index.llms.kvboost"]),
-    ("kvboost_core.y", "if TYPE_CHECKING:\n    from kvboost_rag.adapter import KVBoostRAG\n",
-     ["kvboost_core.y -> kvboost_rag.adapter", "kvboost_core.y -> kvboost_rag.adapter.KVBoostRAG"]),
+    ("kvboost_core.y", "if TYPE_CHECKING:\n    from kvboost_rag.rag import KVBoostRAG\n",
+     ["kvboost_core.y -> kvboost_rag.rag", "kvboost_core.y -> kvboost_rag.rag.KVBoostRAG"]),
     ("kvboost_rag.app.z", "from langchain_kvboost import ChatKVBoost\n", []),
     ("langchain_kvboost.w", "from kvboost_rag.app.cli import main\n",
      ["langchain_kvboost.w -> kvboost_rag.app.cli", "langchain_kvboost.w -> kvboost_rag.app.cli.main"]),

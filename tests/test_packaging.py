@@ -26,9 +26,10 @@ def test_kvengine_from_the_top_level_package():
     assert KVEngine is Direct
     assert "KVEngine" in dir(kvboost_core) and "KVEngine" in kvboost_core.__all__
     from kvboost_rag import KVBoostRAG
-    from kvboost_rag.adapter import KVBoostRAG as DirectRAG
+    from kvboost_rag.adapter import KVBoostRAG as OldPath  # the module's former name keeps working
+    from kvboost_rag.rag import KVBoostRAG as DirectRAG
 
-    assert KVBoostRAG is DirectRAG
+    assert KVBoostRAG is DirectRAG is OldPath
 
 
 def test_unknown_attribute_is_an_attribute_error():

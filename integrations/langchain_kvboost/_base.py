@@ -1,4 +1,4 @@
-"""What KVBoostLLM and ChatKVBoost share: pydantic fields, the adapter they wrap, per-call options.
+"""What KVBoostLLM and ChatKVBoost share: pydantic fields, the KVBoostRAG they wrap, per-call options.
 
 No engine logic lives here: every call goes to ``kvboost_rag.KVBoostRAG``.
 """
@@ -76,7 +76,7 @@ class KVBoostFields(BaseModel):
     @model_validator(mode="after")
     def _build_adapter(self) -> KVBoostFields:
         from kvboost_core.engine import KVEngine
-        from kvboost_rag.adapter import KVBoostRAG
+        from kvboost_rag.rag import KVBoostRAG
 
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
@@ -108,8 +108,8 @@ class KVBoostFields(BaseModel):
         to use instead); the rest (chunk_size, store, sink_tokens, ...) go to the engine's EngineConfig and
         are checked before the weights load. ``device`` as HF pipelines take it (-1: the CPU, n: cuda:n),
         ``device_map`` naming one device (or "auto"), ``model_kwargs`` over kvboost's loading defaults
-        (``dtype``, ``attn_implementation``): see :func:`kvboost_rag.adapter.load_engine`."""
-        from kvboost_rag.adapter import load_engine
+        (``dtype``, ``attn_implementation``): see :func:`kvboost_rag.rag.load_engine`."""
+        from kvboost_rag.rag import load_engine
 
         mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_tokens")
         fields, engine_kw = split_model_kwargs(kwargs, field_spellings(cls))

@@ -1,4 +1,4 @@
-"""LlamaIndex skin over :class:`kvboost_rag.adapter.KVBoostRAG`: :class:`KVBoostLLM`, a ``CustomLLM`` whose
+"""LlamaIndex skin over :class:`kvboost_rag.rag.KVBoostRAG`: :class:`KVBoostLLM`, a ``CustomLLM`` whose
 prompts reuse the KV of warmed documents (transparently: the synthesizer's flat prompt is searched for warmed
 document texts). Ingestion helpers are in :mod:`.ingestion`.
 
@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without llama-in
 
 if TYPE_CHECKING:
     from kvboost_core import KVEngine
-    from kvboost_rag.adapter import KVBoostRAG
+    from kvboost_rag.rag import KVBoostRAG
 
 # Per-call engine options complete()/stream_complete() accept as keyword arguments (max_tokens is an alias
 # of max_new_tokens, as in the field).
@@ -77,9 +77,9 @@ _LOADING = ("tokenizer_name", "device_map", "model_kwargs", "device", "dtype")
 # ---------------------------------------------------------------------------------------------------- helpers
 def _rag_class() -> type[KVBoostRAG]:
     try:
-        from kvboost_rag.adapter import KVBoostRAG
+        from kvboost_rag.rag import KVBoostRAG
     except ImportError as exc:
-        raise ImportError(f"kvboost_rag.adapter is not importable ({exc}); reinstall kvboost-rag: {_HINT}") from exc
+        raise ImportError(f"kvboost_rag.rag is not importable ({exc}); reinstall kvboost-rag: {_HINT}") from exc
     return KVBoostRAG
 
 
@@ -201,7 +201,7 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         ``task``/``pipeline_kwargs`` and HuggingFaceLLM's ``generate_kwargs`` are mapped as HF reads them
         (max_new_tokens, temperature, do_sample, top_p, seed, stop; anything else is refused with what to use
         instead); ``device`` (-1: the CPU, n: cuda:n), ``device_map`` (one device or "auto"), ``model_kwargs``
-        and ``tokenizer_name`` load as in HF (:func:`kvboost_rag.adapter.load_engine`); the others configure
+        and ``tokenizer_name`` load as in HF (:func:`kvboost_rag.rag.load_engine`); the others configure
         the engine (``chunk_size``, ``store``, ...) and are checked before the weights load."""
         spellings = {name: name for name in cls.model_fields} | _FIELD_ALIASES
         mapped = pipeline_options(task, pipeline_kwargs, budget_name="max_new_tokens")
@@ -275,7 +275,7 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         """A free (unconstrained) generation's options: the call's, and the stop tokens."""
         call_kw = self._call_kwargs(kwargs)
         if self.stopping_ids:
-            from kvboost_rag.adapter import StopOnTokens
+            from kvboost_rag.rag import StopOnTokens
 
             call_kw["logits_processor"] = StopOnTokens(self.stopping_ids)
         return call_kw

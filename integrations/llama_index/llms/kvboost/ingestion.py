@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from llama_index.llms.kvboost.base import KVBoostLLM
 
     from kvboost_core import KVEngine
-    from kvboost_rag.adapter import KVBoostRAG
+    from kvboost_rag.rag import KVBoostRAG
 
 
 class _StoreTokens:
