@@ -201,6 +201,8 @@ LIGHT = [(["bench", "--help"], 0), (["bench", "rag", "--help"], 0), (["bench", "
          (["adapt", "--block", "--help"], 0), (["bench", "rag", "--settings", "bogus"], 2),
          (["bench", "rag", "--k", "0"], 2), (["bench", "--rounds", "x"], 2), (["adapt", "--out", "o", "--k", "a"], 2),
          (["adapt", "--block", "--out", "o", "--synth-share", "2"], 2),
+         (["adapt", "--block", "--out", "o", "--data-worker", "0/2"], 2),
+         (["adapt", "--block", "--out", "o", "--data-only", "--data-worker", "2/2"], 2),
          (["bench", "rag", "--model", "nope"], 2), (["bench", "--model", "nope"], 2),
          (["adapt", "--model", "nope", "--out", "o"], 2), (["adapt", "--block", "--model", "nope", "--out", "o"], 2)]
 

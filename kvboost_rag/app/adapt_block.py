@@ -217,17 +217,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value!r}")
     if args.init and not os.path.isfile(os.path.join(args.init, "block.json")):
         ap.error(f"--init {args.init!r} holds no block.json (a directory `kvboost-rag adapt --block` wrote)")
-    from kvboost_core.lora import block_links
+    init_links = False
+    if args.init:  # (torch loads only now: help, argument errors and an unloadable --model come first)
+        from kvboost_core.lora.block_links import LINKS_FILE
 
-    init_links = bool(args.init) and os.path.isfile(os.path.join(args.init, block_links.LINKS_FILE))
-    if init_links and not args.eval_only:  # its link table would be dropped
-        ap.error(f"--init {args.init!r} has link slots ({block_links.LINKS_FILE}); starting from one is not "
-                 "supported yet")
+        init_links = os.path.isfile(os.path.join(args.init, LINKS_FILE))
+        if init_links and not args.eval_only:  # its link table would be dropped
+            ap.error(f"--init {args.init!r} has link slots ({LINKS_FILE}); starting from one is not supported yet")
     from kvboost_rag.app.loading import load_rag
 
     rag = load_rag(args.model, auto_calibrate=False, repair="none")  # an unloadable --model: one line, first
     import torch
 
+    from kvboost_core.lora import block_links
     from kvboost_core.lora.block_adapter import TARGETS, BlockMeta, LoraHeader, save
     from kvboost_core.lora.reader import ReaderAdapter
     from kvboost_rag.app import train_corpus as tc
