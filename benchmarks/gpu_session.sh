@@ -52,10 +52,12 @@ fi
 # -- 0. block adapter arms, in the background ------------------------------------------------------------------
 arms=()
 if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS$BLOCK_DATA" ]; then
-  say "unpacking the payload ($(cat "$STAGE"/p[0-9] | wc -c) bytes in $(ls "$STAGE"/p[0-9] | wc -l) parts)"
-  cat "$STAGE"/p[0-9] | $PY -c "import sys, tarfile
+  if [ ! -d "$STAGE/site" ]; then  # (a second call on the same warm machine finds it unpacked)
+    say "unpacking the payload ($(cat "$STAGE"/p[0-9] | wc -c) bytes in $(ls "$STAGE"/p[0-9] | wc -l) parts)"
+    cat "$STAGE"/p[0-9] | $PY -c "import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" "$STAGE" 2>>"$LOG" \
-    || say "payload unpack failed"
+      || say "payload unpack failed"
+  fi
   # the payload's transformers (the version this package is tested with) and a package folder that holds the GGUF
   export PYTHONPATH="$STAGE/site:$STAGE/pkgs${PYTHONPATH:+:$PYTHONPATH}" KVBOOST_CACHE_DIR="$STAGE/cache"
   if $PY -c "
@@ -74,15 +76,24 @@ sys.exit(0 if ok else 1)" >>"$LOG" 2>&1; then
       say "teacher targets of $BLOCK_DATA chats: $DATA_WORKERS workers, at most ${DATA_S}s"
       workers=()
       for ((w = 0; w < DATA_WORKERS; w++)); do
-        extra=()
-        ((w == 0)) && extra=(--eval --dev-limit 64)  # one worker also computes the dev targets
         OMP_NUM_THREADS=1 timeout "$DATA_S" $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/data_w$w" \
           --data "$data" --chats "$BLOCK_DATA" --data-only --data-worker "$w/$DATA_WORKERS" --device "$DEVICE" \
-          "${extra[@]}" >"$ART/data_w$w.log" 2>&1 &
+          >"$ART/data_w$w.log" 2>&1 &
         workers+=($!)
       done
+      # and the dev targets the arms are scored on (--eval-only --data-only: those alone)
+      OMP_NUM_THREADS=1 timeout "$DATA_S" $PY -m kvboost_rag.app.adapt_block --block --out "$WORK/data_dev" \
+        --data "$data" --data-only --eval-only --dev-limit 64 --device "$DEVICE" >"$ART/data_dev.log" 2>&1 &
+      workers+=($!)
       for p in "${workers[@]}"; do wait "$p"; done
-      say "teacher targets: $(ls "$data"/train/targets-*.pt 2>/dev/null | wc -l) shards; worker 0: $(tail -c 300 "$ART/data_w0.log" | tr '\r' '\n' | tail -1)"
+      # the arms train on the complete shards before the first gap (a worker stopped at DATA_S leaves gaps)
+      BLOCK_DATA=$($PY -c "import os, sys
+from kvboost_rag.app import distill
+i = 0
+while os.path.isfile(distill.shard_path(sys.argv[1], i)):
+    i += 1
+print(min(int(sys.argv[2]), i * distill.SHARD))" "$data/train" "$BLOCK_DATA")
+      say "teacher targets: $(ls "$data"/train/targets-*.pt 2>/dev/null | wc -l) shards, the arms train on $BLOCK_DATA chats"
     fi
     for spec in $BLOCK_ARMS; do
       arm=${spec%%:*}
