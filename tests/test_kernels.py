@@ -246,8 +246,8 @@ def test_quantize_kv_errors_match(bad, msg):
 @needs_ext
 def test_native_errors_keep_their_numbers():
     """An argument error formatted inside the extension reaches Python whole. A second C++ runtime in the
-    extension (a compiler driver that links libstdc++ statically) formats it with an uninitialised locale and drops
-    the numbers here, and crashed the process on the first lent GPU image (kernels.jit.link_flags)."""
+    extension (a compiler that finds only the static libstdc++) formats it with an uninitialised locale and drops
+    the numbers here, and crashed the process on the lent GPU image (kernels.jit.link_flags)."""
     with pytest.raises(ValueError, match=r"bits must be 8 or 4, got 3$"):
         torch.ops.kvboost.quantize_kv(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 3, 4)
     with pytest.raises(ValueError, match=r"source tokens \[5, 11\) out of range for a payload of 10 tokens"):

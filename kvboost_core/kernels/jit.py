@@ -53,14 +53,14 @@ def cpu_flags() -> list[str]:
 def link_flags() -> list[str]:
     """Linker flags of the extension (setup.py uses these too).
 
-    ``-lstdc++`` before the compiler driver's own libraries: the extension must share libtorch's dynamic
-    libstdc++. A driver that links it statically (``-static-libstdc++``, as the lent GPU image's
-    /opt/gcc/bin/g++ does) gives the extension a second C++ runtime: the first argument error a kernel raises
-    then crashes the process (SIGSEGV there) or loses the numbers from its message (here), because the error is
-    formatted and thrown with one runtime and caught by libtorch's. Asked for first, the shared library provides
-    every symbol and the static archive adds nothing.
+    ``-l:libstdc++.so.6``: the extension must share libtorch's dynamic C++ runtime. A compiler whose own library
+    directory holds only the static ``libstdc++.a`` (the lent GPU image's /opt/gcc/bin/g++; a plain ``-lstdc++``
+    finds that archive first) links a second runtime into the extension: the first argument error a kernel
+    raises then crashes the process (SIGSEGV there) or loses the numbers from its message, because the error is
+    formatted and thrown with one runtime and caught by libtorch's. Named by its soname, only the shared library
+    matches, and it provides every symbol before the driver's own libraries are searched.
     """
-    return ["-fopenmp", "-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"]
+    return ["-fopenmp", "-Wl,--push-state,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--pop-state"]
 
 
 def source_dir() -> Path | None:
