@@ -1,5 +1,5 @@
 """A chat call as a turn (:mod:`kvboost_core.exact_history`), seen from the RAG layer: which messages are the
-history, the history's length in the prompt's tokens, and what the chat template writes after an answer."""
+history, and what the chat template writes after an answer."""
 
 from __future__ import annotations
 
@@ -12,13 +12,6 @@ _MARK = "\x1fkvboost-answer\x1f"  # a probe answer no template rewrites
 def history_messages(messages: Sequence[dict[str, Any]]) -> int:
     """How many leading messages are the history: up to and including the last assistant message (0: none)."""
     return max((i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"), default=0)
-
-
-def history_length(history_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
-    """The history's length in the prompt: the longest common prefix of the two (a template that renders a past
-    turn differently in the current prompt only shortens it)."""
-    return next((i for i, (x, y) in enumerate(zip(history_ids, prompt_ids)) if x != y),
-                min(len(history_ids), len(prompt_ids)))
 
 
 def turn_end_text(render_history: Callable[[list[dict[str, Any]]], str]) -> str:

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration, cache_counts
+from kvboost_core.chunking import common_prefix
 from kvboost_core.segments import check_utf8, lead_token_ids
-from kvboost_rag.chat_turns import history_length, history_messages, turn_end_text
+from kvboost_rag.chat_turns import history_messages, turn_end_text
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
@@ -210,7 +211,9 @@ class KVBoostRAG:
         if not isinstance(chat_history, str):
             raise TypeError(f"chat_history must be a str, got {type(chat_history).__name__}")
         ids = self.engine.tokenize_ids(plan.segments, add_special_tokens=False)
-        n = history_length(self.encode(chat_history, special), ids) if chat_history else 0
+        # the history's length in the prompt: the longest common prefix of the two (a template that renders a past
+        # turn differently in the current prompt only shortens it)
+        n = common_prefix(self.encode(chat_history, special), ids) if chat_history else 0
         return {"history_tokens": n, "turn_end": self.chat_turn_end()}
 
     def can_call_tools(self) -> bool:
