@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core.lora.block_prefill import Run, _rotate_half
+from kvboost_core.lora.block_prefill import Run, delta_cos_sin, encode_batch, rerotate_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,44 +42,14 @@ class StackedDocs:
 
 
 def encode_stacked(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence[int]) -> StackedDocs:
-    """One batched forward of ``lead + doc`` for every distinct document (right-padded: causal attention never
-    lets a token see the padding after it)."""
-    from transformers import DynamicCache
-
+    """One batched forward of ``lead + doc`` for every distinct document (block_prefill.encode_batch), stacked."""
     uniq = list(dict.fromkeys(docs))
     if not uniq:
         raise ValueError("encode_stacked needs at least one document")
-    width = len(lead) + max(len(d) for d in uniq)
-    device = next(model.parameters()).device
-    batch = torch.zeros(len(uniq), width, dtype=torch.long, device=device)
-    for i, d in enumerate(uniq):
-        batch[i, : len(lead) + len(d)] = torch.tensor([*lead, *d], device=device)
-    cache = DynamicCache()
-    positions = torch.arange(width, device=device).expand(len(uniq), width)
-    model.model(input_ids=batch, position_ids=positions, cache=cache, use_cache=True)
-    layers: list[Any] = list(cache.layers)
+    layers = encode_batch(model, uniq, lead)
     keys = torch.stack([layer.keys for layer in layers])  # (L, B, H, W, D)
     values = torch.stack([layer.values for layer in layers])
     return StackedDocs(keys, values, {d: i for i, d in enumerate(uniq)}, len(lead))
-
-
-def _delta_cos_sin(model: Any, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (P, R) of a rotation by ``delta`` (P,) positions, the rotary module's attention scaling removed."""
-    rotary = model.model.rotary_emb
-    dummy = torch.empty(1, dtype=torch.float32, device=delta.device)
-    cos, sin = rotary(dummy, position_ids=delta.view(1, -1))  # (1, P, R)
-    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
-    return cos[0].float() / scale, sin[0].float() / scale
-
-
-def _rerotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """k (..., P, D) rotated per token by cos/sin (P, R), R <= D (as block_prefill.shift_keys, vectorised)."""
-    rot = cos.shape[-1]
-    kf = k.float()
-    out = kf[..., :rot] * cos + _rotate_half(kf[..., :rot]) * sin
-    if rot < k.shape[-1]:
-        out = torch.cat((out, kf[..., rot:]), dim=-1)
-    return out.to(k.dtype)
 
 
 def fused_block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
@@ -111,9 +81,9 @@ def fused_block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead
                             device=device)
         src = torch.tensor([docs.lead + r.offset + i for r in placed for i in range(r.end - r.start)], device=device)
         ppos = torch.tensor([p for r in placed for p in range(r.start, r.end)], device=device)
-        cos, sin = _delta_cos_sin(model, ppos - src)
+        cos, sin = delta_cos_sin(model, ppos - src)
         # two advanced indices around a slice: the index dim goes first, (P, L, H, D) -> (L, H, P, D)
-        keys = _rerotate(docs.keys[:, brow, :, src].permute(1, 2, 0, 3), cos, sin)
+        keys = rerotate_keys(docs.keys[:, brow, :, src].permute(1, 2, 0, 3), cos, sin)
         values = docs.values[:, brow, :, src].permute(1, 2, 0, 3)
         for layer in range(keys.shape[0]):
             cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)

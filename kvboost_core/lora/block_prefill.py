@@ -72,14 +72,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def shift_keys(model: Any, k: torch.Tensor, delta: int) -> torch.Tensor:
     """Keys ``k`` (B, H, n, D) computed at positions p moved to p + ``delta``: RoPE rotations compose, so this
-    is one rotation by ``delta`` (cos/sin from the model's own rotary module, its attention scaling removed)."""
+    is one rotation by ``delta``."""
     if delta == 0:
         return k
+    cos, sin = delta_cos_sin(model, torch.tensor([delta], device=k.device))
+    return rerotate_keys(k, cos, sin)
+
+
+def delta_cos_sin(model: Any, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (P, R) of rotations by ``delta`` (P,) positions, from the model's own rotary module with its
+    attention scaling removed."""
     rotary = model.model.rotary_emb
-    dummy = torch.empty(1, dtype=torch.float32, device=k.device)
-    cos, sin = rotary(dummy, position_ids=torch.tensor([[delta]], device=k.device))  # (1, 1, R)
+    dummy = torch.empty(1, dtype=torch.float32, device=delta.device)
+    cos, sin = rotary(dummy, position_ids=delta.view(1, -1))  # (1, P, R)
     scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
-    cos, sin = cos[0].float() / scale, sin[0].float() / scale  # (1, R)
+    return cos[0].float() / scale, sin[0].float() / scale
+
+
+def rerotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """k (..., P, D) rotated per token by cos/sin (P, R) (or (1, R) for all tokens), R <= D."""
     rot = cos.shape[-1]
     kf = k.float()
     out = kf[..., :rot] * cos + _rotate_half(kf[..., :rot]) * sin
@@ -91,12 +102,23 @@ def shift_keys(model: Any, k: torch.Tensor, delta: int) -> torch.Tensor:
 def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence[int]
                      ) -> dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each distinct document's per-layer (K, V), each (1, H, len(lead) + n, D), from one batched forward of
-    ``lead + doc`` (right-padded: causal attention never lets a token see the padding after it)."""
-    from transformers import DynamicCache
-
+    ``lead + doc`` (:func:`encode_batch`)."""
     uniq = list(dict.fromkeys(docs))
     if not uniq:
         return {}
+    layers = encode_batch(model, uniq, lead)
+    out: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for i, d in enumerate(uniq):
+        n = len(lead) + len(d)
+        out[d] = [(layer.keys[i: i + 1, :, :n], layer.values[i: i + 1, :, :n]) for layer in layers]
+    return out
+
+
+def encode_batch(model: Any, uniq: Sequence[tuple[int, ...]], lead: Sequence[int]) -> list[Any]:
+    """The cache layers (each with (B, H, W, D) ``keys`` and ``values``) of one forward of ``lead + doc`` for the
+    B documents ``uniq``, right-padded to W (causal attention never lets a token see the padding after it)."""
+    from transformers import DynamicCache
+
     width = len(lead) + max(len(d) for d in uniq)
     device = next(model.parameters()).device
     batch = torch.zeros(len(uniq), width, dtype=torch.long, device=device)
@@ -105,12 +127,7 @@ def encode_documents(model: Any, docs: Sequence[tuple[int, ...]], lead: Sequence
     cache = DynamicCache()
     positions = torch.arange(width, device=device).expand(len(uniq), width)
     model.model(input_ids=batch, position_ids=positions, cache=cache, use_cache=True)
-    out: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    layers: list[Any] = list(cache.layers)  # full-attention layers: each holds (B, H, T, D) keys and values
-    for i, d in enumerate(uniq):
-        n = len(lead) + len(d)
-        out[d] = [(layer.keys[i: i + 1, :, :n], layer.values[i: i + 1, :, :n]) for layer in layers]
-    return out
+    return list(cache.layers)  # full-attention layers
 
 
 def block_forward(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequence[int], *,
