@@ -7,8 +7,9 @@
 #   data/        the cached teacher targets (train and dev) of `kvboost-rag adapt --block --data-only`; DATA_DIR "-"
 #                leaves them out (gpu_session.sh's BLOCK_DATA computes them on the device instead: 2 parts, not 3).
 # Usage: bash scripts/gpu_payload.sh DATA_DIR [PART_MB]  ->  .gpu/p0, .gpu/p1, ... (.gpu is git-ignored locally
-# through .git/info/exclude). Then one device call per part, each copying its part to /tmp/kvb_stage, the last one
-# also running `OUT=$OUT bash benchmarks/gpu_session.sh`. Parts survive between calls only while the machine is
+# through .git/info/exclude). Then `scripts/gpu_index.sh trim` and one device call per part, each copying its part
+# to /tmp/kvb_stage (carry [".gpu/pN"]), the last one also running `OUT=$OUT bash benchmarks/gpu_session.sh`;
+# `scripts/gpu_index.sh restore` after. Parts survive between calls only while the machine is
 # warm (30 s after a call), so the calls follow each other at once.
 set -euo pipefail
 DATA=${1:?usage: gpu_payload.sh DATA_DIR [PART_MB]}
