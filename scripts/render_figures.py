@@ -575,6 +575,12 @@ def multiturn_table(result: dict[str, Any]) -> str:
                       *[f"kvboost {n}" for n in names]], rows) + "\n\n" + "\n".join(f"- {x}" for x in same)
 
 
+def _cpu(result: dict[str, Any]) -> str:
+    """The machine line of a result: its thread count, and what else ran where the run recorded it."""
+    cpu = CPU.replace("1 thread", f"{result.get('threads', 1)} thread")
+    return cpu.replace("other jobs running", result["machine"]) if result.get("machine") else cpu
+
+
 def chat_turns_table(result: dict[str, Any]) -> str:
     """#33 item 5: a RAG chat's turns, HF full prefill, llama.cpp's prefix reuse, kvboost in process and served."""
     from kvboost_rag.app.bench.chat_turns import markdown_table
@@ -583,7 +589,7 @@ def chat_turns_table(result: dict[str, Any]) -> str:
     added = ", ".join(map(str, result["add_doc_turns"]))
     head = (f"{result['model']}, {result['conversations']} conversations x {result['turns']} turns (k={result['k']} "
             f"documents in turn 1, one more in turn {added}), HF's greedy answers of up to {result['max_new_tokens']} "
-            f"tokens in the history, {CPU.replace('1 thread', str(result['threads']) + ' thread')}. Cells: TTFT "
+            f"tokens in the history, {_cpu(result)}. Cells: TTFT "
             "from the call's start, median over conversations (exact share of the prompt, i.e. cached tokens; the "
             "CPU time of the backfill after that turn), and ratios of those medians." + skipped + "\n\n")
     return head + markdown_table(result)
