@@ -2,4 +2,3 @@
 the other names keep working. New code imports from :mod:`kvboost_rag.rag` or :mod:`kvboost_rag`."""
 
 from kvboost_rag.rag import *  # noqa: F403
-from kvboost_rag.rag import KVBoostRAG, PromptPlan, StopOnTokens, doc_stats, load_engine  # noqa: F401

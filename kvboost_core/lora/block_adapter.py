@@ -35,7 +35,6 @@ from kvboost_core.lora.lora_file import TARGETS, LoraFiles, LoraHeader, target_l
 
 FILES = LoraFiles("block_adapter", "block.safetensors", "block.json", "kvboost-rag adapt --block")
 WEIGHTS, META = FILES.weights, FILES.meta
-LINKS = LINKS_FILE  # a link-slot table (kvboost_core.lora.block_links) the engine cannot serve yet
 
 
 @dataclass(slots=True)
@@ -146,7 +145,7 @@ class BlockAdapter:
     def load(cls, model: Any, directory: str, base_fingerprint: str, warm_prefix: Sequence[int]) -> BlockAdapter:
         """Merge the adapter saved in ``directory`` into ``model``; refuse one of another base model or lead-in."""
         meta = read_meta(directory, base_fingerprint, warm_prefix)
-        if os.path.isfile(os.path.join(directory, LINKS)):
-            raise ValueError(f"block_adapter: {directory!r} has link slots ({LINKS}), which the engine "
+        if os.path.isfile(os.path.join(directory, LINKS_FILE)):  # a link-slot table (block_links): not servable yet
+            raise ValueError(f"block_adapter: {directory!r} has link slots ({LINKS_FILE}), which the engine "
                              "cannot serve yet; measure it with `kvboost-rag adapt --block --eval-only --init DIR`")
         return cls(model, meta, read_weights(directory), file_fingerprint(directory))

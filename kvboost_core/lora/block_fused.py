@@ -88,13 +88,13 @@ def fused_block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead
         for layer in range(keys.shape[0]):
             cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)
 
-    computed = [r for r in runs if r.doc is None]
-    cpos = torch.tensor([p for r in computed for p in range(r.start, r.end)], device=device)  # (C,)
-    cids = torch.tensor([[ids[p] for r in computed for p in range(r.start, r.end)]], device=device)
+    computed = [(r, i) for r in runs if r.doc is None for i in range(r.end - r.start)]  # (run, index in it), C
+    cpos = torch.tensor([r.start + i for r, i in computed], device=device)  # (C,)
+    cids = torch.tensor([[ids[r.start + i] for r, i in computed]], device=device)
     embeds = model.get_input_embeddings()(cids)  # (1, C, d)
-    link_at = [c for c, (r, i) in enumerate((r, i) for r in computed for i in range(r.end - r.start)) if r.link]
+    link_at = [c for c, (r, _) in enumerate(computed) if r.link]
     if link_at:
-        link_row = [i for r in computed for i in range(r.end - r.start) if r.link]
+        link_row = [i for r, i in computed if r.link]
         if links is None or links.shape[0] <= max(link_row):
             raise ValueError(f"the prompt has runs of up to {max(link_row) + 1} link slots; pass links of as many rows")
         embeds = embeds.index_put((torch.zeros(len(link_at), dtype=torch.long, device=device),
