@@ -6,6 +6,17 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+PRECISIONS = ("fp32", "fp16")  # EngineConfig.weights (kvboost_core.weights)
+
+
+def check_precision(weights: object) -> str:
+    """``weights`` if it names a precision in :data:`PRECISIONS`; a TypeError or ValueError naming it otherwise."""
+    if not isinstance(weights, str):
+        raise TypeError(f"weights must be one of {PRECISIONS}, got {type(weights).__name__}")
+    if weights not in PRECISIONS:
+        raise ValueError(f"weights must be one of {PRECISIONS}, got {weights!r}")
+    return weights
+
 REPAIRS = ("none", "selective", "cacheblend", "full")
 SELECTS = ("deviation", "value", "key", "recency", "deviation_recency")
 
@@ -122,6 +133,10 @@ class EngineConfig:
     # documents served at repair="none" are that adapted model's own (block-attention) prefill
     # (kvboost_core.lora.block_adapter). None: the base model.
     block_adapter: str | None = None
+    # The precision the linear layers' weights are held and read at (kvboost_core.weights): "fp32" as loaded,
+    # or "fp16" packed for FBGEMM on the CPU (half the bytes per decoded token; fp32 activations). Applied to the
+    # model in place when the engine is built; the stored KV's key includes it.
+    weights: str = "fp32"
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
     store_secret: str | bytes | None = field(default=None, repr=False)
@@ -157,6 +172,7 @@ class EngineConfig:
             raise TypeError(f"reader_adapter must be None or a directory path (str), got {self.reader_adapter!r}")
         if self.block_adapter is not None and (not isinstance(self.block_adapter, str) or not self.block_adapter):
             raise TypeError(f"block_adapter must be None or a directory path (str), got {self.block_adapter!r}")
+        check_precision(self.weights)
         if self.block_adapter is not None and self.reader_adapter is not None:
             raise ValueError("block_adapter and reader_adapter cannot be combined: a block adapter already makes "
                              "re-placed documents the adapted model's own prefill")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvboost_core import weights
 from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
@@ -80,6 +81,9 @@ class KVEngine(GenerationMixin, WarmMixin):
         self.fingerprint = self.base_fingerprint
         self.reader = self._load_reader(config.reader_adapter)
         self.block = self._load_block(config.block_adapter)
+        # after the adapters (a block adapter merges into the fp32 weights): the KV's key says the precision
+        weights.pack(model, config.weights)
+        self.fingerprint = Fingerprint(weights.fingerprint(self.fingerprint, config.weights))
         self.store = build_store(config.store, max_bytes=config.max_cache_bytes, fingerprint=self.fingerprint,
                                  namespace=config.namespace, secret=config.store_secret,
                                  geometry=KVGeometry.for_engine(self.driver, config))

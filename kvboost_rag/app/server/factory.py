@@ -84,7 +84,10 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
     else:
         host = args.host or LOOPBACK
     block = getattr(args, "block_adapter", None)
-    loaded = load_engine(args.model, store=args.store, **({"block_adapter": block} if block else {}))
+    extra = {"block_adapter": block} if block else {}
+    if getattr(args, "weights", "fp32") != "fp32":
+        extra["weights"] = args.weights
+    loaded = load_engine(args.model, store=args.store, **extra)
     name = args.served_model_name or args.model
     aliases = (args.model, loaded.label, Path(args.model).name)
     state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,
