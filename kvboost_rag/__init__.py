@@ -18,11 +18,12 @@ _EXPORTS = {
     "KVBoostRAG": "kvboost_rag.rag", "PromptPlan": "kvboost_rag.rag", "doc_stats": "kvboost_rag.rag",
     "document_text": "kvboost_rag.documents", "document_texts": "kvboost_rag.documents",
     "DocumentRegistry": "kvboost_rag.registry", "RegisteredDoc": "kvboost_rag.registry",
-    "doc_key": "kvboost_rag.registry", "WarmReport": "kvboost_rag.warming",
+    "doc_key": "kvboost_rag.registry", "WarmReport": "kvboost_rag.warming", "RAGOptions": "kvboost_rag.options",
 }
 
 if TYPE_CHECKING:
     from kvboost_rag.documents import document_text, document_texts
+    from kvboost_rag.options import RAGOptions
     from kvboost_rag.rag import KVBoostRAG, PromptPlan, doc_stats
     from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, doc_key
     from kvboost_rag.warming import WarmReport
@@ -31,5 +32,5 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
-__all__ = ["DocumentRegistry", "KVBoostRAG", "PromptPlan", "RegisteredDoc", "WarmReport", "doc_key", "doc_stats",
-           "document_text", "document_texts"]
+__all__ = ["DocumentRegistry", "KVBoostRAG", "PromptPlan", "RAGOptions", "RegisteredDoc", "WarmReport", "doc_key",
+           "doc_stats", "document_text", "document_texts"]

@@ -13,9 +13,44 @@ fails at once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvboost_core.config import REPAIR_OPTIONS  # no torch: the skins import this module on their own import
+
+
+@dataclass(frozen=True, slots=True)
+class RAGOptions:
+    """How :class:`kvboost_rag.KVBoostRAG` finds and warms documents: one value, built once by the caller (or
+    a skin, from its fields) and held by the RAG object."""
+
+    transparent: bool = True  # find warmed documents inside flat prompts (by their token ids)
+    preserve_order: bool = False  # explicit documents: keep the caller's order (else the store's best order)
+    separator: str = "\n\n"  # between explicit documents in the assembled prompt
+    auto_warm: bool = False  # after a call, warm the documents it found unwarmed, so the next query reuses them
+    miss_warning_interval_s: float = 60.0  # at most one warning about unwarmed documents per interval
+
+    def __post_init__(self) -> None:
+        for name in ("transparent", "preserve_order", "auto_warm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.separator, str):
+            raise TypeError(f"separator must be a str, got {type(self.separator).__name__}")
+        interval = self.miss_warning_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval >= 0:
+            raise ValueError(f"miss_warning_interval_s must be a number >= 0, got {interval!r}")
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    def with_(self, **changes: Any) -> RAGOptions:
+        """A copy with ``changes``; an unknown name is a TypeError naming it."""
+        unknown = set(changes) - self.names()
+        if unknown:
+            raise TypeError(f"unknown RAG option(s) {sorted(unknown)}; RAGOptions has {sorted(self.names())}")
+        return replace(self, **changes) if changes else self
+
 
 # Generation options every skin accepts per call (both spellings of the token budget).
 GENERATION_KEYS = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop"})

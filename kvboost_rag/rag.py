@@ -29,7 +29,7 @@ from kvboost_rag.chat_turns import history_messages, turn_end_text
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
-from kvboost_rag.options import check_engine_kwargs, load_device, model_kwargs_of
+from kvboost_rag.options import RAGOptions, check_engine_kwargs, load_device, model_kwargs_of
 from kvboost_rag.registry import DocumentRegistry, RegisteredDoc, assemble, doc_key
 from kvboost_rag.reports import (  # noqa: F401  (re-exported: the per-call reports live apart, torch-free)
     CALL_INFO_KEYS,
@@ -108,18 +108,18 @@ def check_chat_messages(messages: Any) -> None:
 class KVBoostRAG:
     """Document warming, transparent/explicit document reuse and generation over one ``KVEngine``."""
 
-    def __init__(self, engine: KVEngine, *, transparent: bool = True, preserve_order: bool = False,
-                 separator: str = "\n\n", auto_warm: bool = False, miss_warning_interval_s: float = 60.0) -> None:
+    def __init__(self, engine: KVEngine, options: RAGOptions | None = None, **changes: Any) -> None:
+        """``options`` (:class:`kvboost_rag.options.RAGOptions`), or its fields as keywords (``transparent``,
+        ``preserve_order``, ``separator``, ``auto_warm``, ``miss_warning_interval_s``), which override it."""
         if not isinstance(engine, KVEngine):
             raise TypeError(f"engine must be a kvboost_core KVEngine, got {type(engine).__name__}; build one "
                             "with KVEngine(model, tokenizer) or use KVBoostRAG.from_model_id(...)")
+        if options is not None and not isinstance(options, RAGOptions):
+            raise TypeError(f"options must be a kvboost_rag.options.RAGOptions, got {type(options).__name__}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.transparent = bool(transparent)
-        self.preserve_order = bool(preserve_order)
-        self.separator = separator
-        self.auto_warm = bool(auto_warm)
-        self._miss_warning = MissWarning(miss_warning_interval_s)
+        self.options = (options or RAGOptions()).with_(**changes)
+        self._miss_warning = MissWarning(self.options.miss_warning_interval_s)
         self.registry = DocumentRegistry()
         self.last_stats: dict[str, Any] = {}
         self.last_result: GenerationResult | None = None
@@ -133,12 +133,14 @@ class KVBoostRAG:
     @classmethod
     def from_model_id(cls, model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,
                       model_kwargs: dict | None = None, tokenizer_name: str | None = None,
-                      transparent: bool = True, preserve_order: bool = False, auto_warm: bool = False,
-                      **engine_kwargs: Any) -> KVBoostRAG:
-        """Load a HuggingFace causal LM (a hub id or a local path) and wrap it (see :func:`load_engine`)."""
+                      options: RAGOptions | None = None, **kwargs: Any) -> KVBoostRAG:
+        """Load a HuggingFace causal LM (a hub id or a local path) and wrap it (see :func:`load_engine`).
+        Keywords naming a :class:`RAGOptions` field set it (over ``options``); the others configure the engine."""
+        changes = {k: kwargs.pop(k) for k in RAGOptions.names() & set(kwargs)}
+        rag_options = (options or RAGOptions()).with_(**changes)  # checked before the weights load
         engine = load_engine(model_id, device=device, dtype=dtype, device_map=device_map,
-                             model_kwargs=model_kwargs, tokenizer_name=tokenizer_name, **engine_kwargs)
-        return cls(engine, transparent=transparent, preserve_order=preserve_order, auto_warm=auto_warm)
+                             model_kwargs=model_kwargs, tokenizer_name=tokenizer_name, **kwargs)
+        return cls(engine, rag_options)
 
     # ------------------------------------------------------------------ tokenizer
     def _tokenize(self, text: str, add_special_tokens: bool, offsets: bool
@@ -281,16 +283,16 @@ class KVBoostRAG:
             docs.append(reg if reg is not None else RegisteredDoc(doc_key(text), text, tuple(self._encode(text)),
                                                                    None))
         asm = assemble(docs, prompt, self._encode, lead=self._lead if special else (),
-                       separator=self.separator, preserve_order=self.preserve_order)
+                       separator=self.options.separator, preserve_order=self.options.preserve_order)
         return PromptPlan(asm.segments, asm.doc_ranges, "explicit", documents=len(asm.doc_ranges),
                           unwarmed=list(dict.fromkeys(unwarmed)))
 
     def _plan_transparent(self, prompt: str, special: bool) -> PromptPlan:
-        use = self.transparent and self._offsets and len(self.registry) > 0
+        use = self.options.transparent and self._offsets and len(self.registry) > 0
         ids, offsets = self._tokenize(prompt, special, use)
         if not ids:
             raise ValueError("the prompt is empty after tokenization; pass non-empty text")
-        unwarmed = unwarmed_in_prompt(prompt, self.is_warm) if self.transparent else []
+        unwarmed = unwarmed_in_prompt(prompt, self.is_warm) if self.options.transparent else []
         if not use or offsets is None:
             return PromptPlan([Segment(token_ids=ids)], [], "plain", unwarmed=unwarmed)
         matches = self.registry.index.find(prompt)
@@ -319,8 +321,8 @@ class KVBoostRAG:
             return
         # explicit: ``documents`` counts every given document; transparent: only the warmed ones found
         total = plan.documents if plan.mode == "explicit" else plan.documents + len(plan.unwarmed)
-        self._miss_warning.report(len(plan.unwarmed), total, auto_warm=self.auto_warm)
-        if self.auto_warm:
+        self._miss_warning.report(len(plan.unwarmed), total, auto_warm=self.options.auto_warm)
+        if self.options.auto_warm:
             self.warm_documents(plan.unwarmed, show_progress=False)
 
     def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,

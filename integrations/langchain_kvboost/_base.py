@@ -76,16 +76,17 @@ class KVBoostFields(BaseModel):
     @model_validator(mode="after")
     def _build_adapter(self) -> KVBoostFields:
         from kvboost_core.engine import KVEngine
+        from kvboost_rag.options import RAGOptions
         from kvboost_rag.rag import KVBoostRAG
 
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
             self._rag, self.engine = engine, engine.engine
             if self.auto_warm:
-                engine.auto_warm = True
+                engine.options = engine.options.with_(auto_warm=True)
         elif isinstance(engine, KVEngine):
-            self._rag = KVBoostRAG(engine, transparent=self.transparent, preserve_order=self.preserve_order,
-                                   auto_warm=self.auto_warm)
+            self._rag = KVBoostRAG(engine, RAGOptions(transparent=self.transparent,
+                                                      preserve_order=self.preserve_order, auto_warm=self.auto_warm))
         elif engine is None:
             raise ValueError(f"{type(self).__name__} needs engine=KVEngine(model, tokenizer); or build one with "
                              f"{type(self).__name__}.from_model_id('org/model')")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvboost_rag.aio import aiter_in_thread, run_blocking
 from kvboost_rag.options import (
     CALL_KEYS,
+    RAGOptions,
     merge_call_options,
     pipeline_options,
     split_model_kwargs,
@@ -83,8 +84,8 @@ def _rag_class() -> type[KVBoostRAG]:
     return KVBoostRAG
 
 
-def _as_rag(obj: Any, *, transparent: bool = True, preserve_order: bool = False) -> KVBoostRAG:
-    """A KVBoostRAG from a KVBoostRAG, a KVEngine or a KVBoostLLM."""
+def _as_rag(obj: Any, options: RAGOptions) -> KVBoostRAG:
+    """A KVBoostRAG from a KVBoostRAG, a KVEngine (wrapped with ``options``) or a KVBoostLLM."""
     if isinstance(obj, KVBoostLLM):
         return obj.rag
     cls = _rag_class()
@@ -93,7 +94,7 @@ def _as_rag(obj: Any, *, transparent: bool = True, preserve_order: bool = False)
     from kvboost_core import KVEngine
 
     if isinstance(obj, KVEngine):
-        return cls(obj, transparent=transparent, preserve_order=preserve_order)
+        return cls(obj, options)
     raise TypeError(f"expected a KVBoostLLM, a KVBoostRAG or a kvboost_core KVEngine, got {type(obj).__name__}")
 
 
@@ -172,8 +173,8 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         if (engine is None) == (rag is None):
             raise TypeError("KVBoostLLM needs exactly one of engine= (a kvboost_core KVEngine or a KVBoostRAG) or "
                             "rag=; or build it with KVBoostLLM.from_model_id(model_id, ...)")
-        the_rag = _as_rag(rag if rag is not None else engine, transparent=transparent,
-                          preserve_order=preserve_order)
+        the_rag = _as_rag(rag if rag is not None else engine,
+                          RAGOptions(transparent=transparent, preserve_order=preserve_order))
         unknown = set(kwargs.get("engine_call_kwargs") or {}) - _CALL_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine_call_kwargs {sorted(unknown)}; allowed: {sorted(_CALL_OPTIONS)}")
@@ -182,7 +183,7 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         super().__init__(**kwargs)
         self._rag = the_rag
         if self.auto_warm:
-            the_rag.auto_warm = True
+            the_rag.options = the_rag.options.with_(auto_warm=True)
         self._template_chat = template_chat
         watch_retrievals()  # retrieved nodes become visible, so unwarmed ones are reported
         real = self._model_context()
@@ -212,7 +213,8 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
             stop_token_ids(llm_kw["stopping_ids"])  # checked before the weights load
         rag = _rag_class().from_model_id(model_id, device=device, dtype=dtype, device_map=device_map,
                                          model_kwargs=model_kwargs, tokenizer_name=tokenizer_name,
-                                         transparent=transparent, preserve_order=preserve_order, owner="KVBoostLLM",
+                                         options=RAGOptions(transparent=transparent, preserve_order=preserve_order),
+                                         owner="KVBoostLLM",
                                          **engine_kw)
         llm_kw.setdefault("model_name", model_id)
         return cls(rag=rag, **llm_kw)

@@ -18,6 +18,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TransformComponent
 from llama_index.llms.kvboost.base import _as_rag, registry_key, render_node
 
+from kvboost_rag.options import RAGOptions
+
 if TYPE_CHECKING:
     from llama_index.llms.kvboost.base import KVBoostLLM
 
@@ -102,7 +104,7 @@ class KVWarmer(TransformComponent):
 
             kwargs["show_progress"] = resolve_progress(kwargs.get("show_progress"), kwargs.pop("progress"))
         super().__init__(**kwargs)
-        self._rag = _as_rag(llm)
+        self._rag = _as_rag(llm, RAGOptions())
 
     @classmethod
     def class_name(cls) -> str:
