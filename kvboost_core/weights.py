@@ -126,6 +126,11 @@ def pack(model: Any, weights: str) -> Any:
     embedding = model.get_input_embeddings()
     if type(embedding) is nn.Embedding:  # read one row per token; held at fp16 too (its tied head is packed)
         model.set_input_embeddings(HalfEmbedding(embedding))
+    with torch.no_grad():  # the rest (norms, rotary tables) in memory of their own: a weights file mapped by the
+        for t in [*model.parameters(), *model.buffers()]:  # loader is then released, not held by a few views
+            t.data = t.data.clone()
+    for p in model.parameters():  # inference only: a plain call outside no_grad then runs, training is refused
+        p.requires_grad_(False)
     return model
 
 

@@ -614,6 +614,64 @@ def chat_turns_line(result: dict[str, Any]) -> str:
             + " ([chat turns vs llama.cpp](docs/experiments.md#chat-turns-vs-llamacpp)).")
 
 
+def decode_table(result: dict[str, Any]) -> str:
+    """#35: decode tokens/s and a whole answer against llama.cpp, per thread count; the kernel table behind it."""
+    labels = {"hf": "HF fp32", "kvboost_fp32": "kvboost, weights fp32", "kvboost_fp16": "kvboost, weights fp16",
+              "llamacpp": "llama.cpp (Q4_1 GGUF)"}
+    n = result["new_tokens"]
+    lines = [f"{result['model']}, RAG prompts of k={result['k']} eval documents "
+             f"({', '.join(str(t) for t in result['runs'][0]['prompt_tokens'])} tokens), {n} greedy tokens with EOS "
+             f"masked, medians of {result['rounds']} rounds, {_cpu(result)}. kvboost answers over warmed documents at "
+             "SmolLM2's defaults; TTFT and the answer's time from the call's start.", "",
+             f"| threads | method | decode tokens/s | vs llama.cpp | {n}-token answer | TTFT |", "|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        m = run["methods"]
+        for name, s in m.items():
+            vs = _fmt_speedup(s["tokens_per_s"] / m["llamacpp"]["tokens_per_s"]) if "llamacpp" in m and \
+                name != "llamacpp" else ""
+            lines.append(f"| {run['threads']} | {labels.get(name, name)} | {s['tokens_per_s']:.1f} | {vs} | "
+                         f"{s['total_s']:.2f} s | {s['ttft_s']:.2f} s |")
+    mem = result.get("resident_mb")
+    if mem:
+        lines += ["", "Resident memory over torch's own, one process each after loading and one short generation: "
+                  + ", ".join(f"{labels.get(k, k)} {v:.0f} MiB" for k, v in mem.items() if v is not None) + "."]
+    ops = result.get("ops")
+    if ops:
+        kernels = list(dict.fromkeys(r["kernel"] for r in ops["rows"]))
+        shapes = list(dict.fromkeys((r["out"], r["in"]) for r in ops["rows"]))
+        lines += ["", f"One linear layer, {ops['threads']} thread, ms per call (out x in, rows); batch-invariant: a "
+                  "row's output alone equals it inside a batch of 8:", "",
+                  "| kernel | " + " | ".join(f"{o}x{i}, {r} row{'s' if r > 1 else ''}" for o, i in shapes
+                                              for r in (1, 2048) if any(x["out"] == o and x["in"] == i and
+                                                                        x["rows"] == r for x in ops["rows"]))
+                  + " | batch-invariant |"]
+        cols = [(o, i, r) for o, i in shapes for r in (1, 2048)
+                if any(x["out"] == o and x["in"] == i and x["rows"] == r for x in ops["rows"])]
+        lines.append("|---|" + "---|" * len(cols) + "---|")
+        for k in kernels:
+            cells = [next((f"{x['ms']:.3f}" for x in ops["rows"] if x["kernel"] == k and (x["out"], x["in"],
+                                                                                        x["rows"]) == c), "")
+                     for c in cols]
+            lines.append(f"| {k} | " + " | ".join(cells) + f" | {'yes' if ops['batch_invariant'].get(k) else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def precision_table(result: dict[str, Any]) -> str:
+    """#35 item 5: a weight precision's answers against fp32's on the same RAG prompts."""
+    a, w = result["accuracy"], result["weights"]
+    return (f"{result['model']}, {result['questions']} {result['split']} questions at k={result['k']} (median "
+            f"{result['prompt_tokens_median']:.0f} prompt tokens), greedy answers of up to "
+            f"{result['max_new_tokens']} tokens, plain HF full prefill on each; reference: {result['reference']}."
+            "\n\n| | fp32 | " + w + " |\n|---|---|---|\n"
+            f"| RAG accuracy | {a['fp32']:.1%} | {a[w]:.1%}: {a['diff'] * 100:+.1f} points "
+            f"[{a['ci'][0] * 100:+.1f}, {a['ci'][1] * 100:+.1f}], McNemar p={a['mcnemar_p']:.2f} |\n"
+            f"| answer equal to fp32's, token for token | | {result['same_answer']:.1%} |\n"
+            f"| first sentence equal | | {result['same_first_sentence']:.1%} |\n"
+            f"| first token equal | | {result['same_first_token']:.1%} |\n"
+            f"| first-token KL(fp32 \\|\\| {w}), mean / max | | {result['first_token_kl_mean']:.1e} / "
+            f"{result['first_token_kl_max']:.1e} |\n")
+
+
 TABLES = (
     Table("headline", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), headline_table),
     Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use, optional=("multiturn.json",)),
@@ -641,9 +699,11 @@ TABLES = (
     Table("multiturn", ("multiturn.json",), multiturn_table),
     Table("chat_turns", ("chat_turns.json",), chat_turns_table),
     Table("chat_turns_line", ("chat_turns.json",), chat_turns_line),
+    Table("decode", ("decode.json",), decode_table),
+    Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",
-         "ttft_flops_4k_flops.png")
+         "ttft_flops_4k_flops.png", "decode.png")
 
 
 def render_block(table: Table, root: Path = ROOT) -> str:

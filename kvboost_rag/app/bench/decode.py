@@ -225,10 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--memory", action="store_true", help="also each method's resident memory (subprocesses)")
     ap.add_argument("--ops", action="store_true", help="also the per-matmul kernel timings")
+    ap.add_argument("--machine", default=None, help="what else ran on the machine (recorded in the result)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "k": args.k,
+                              "machine": args.machine,
                               "rounds": args.rounds, "command": "python benchmarks/bench_decode.py "
                               + " ".join(sys.argv[1:] if argv is None else argv), "runs": []}
     if args.ops:
