@@ -631,6 +631,13 @@ def decode_table(result: dict[str, Any]) -> str:
                 name != "llamacpp" else ""
             lines.append(f"| {run['threads']} | {labels.get(name, name)} | {s['tokens_per_s']:.1f} | {vs} | "
                          f"{s['total_s']:.2f} s | {s['ttft_s']:.2f} s |")
+    bd = [(run["threads"], w, x) for run in result["runs"] for w, rows in run.get("batched_decode", {}).items()
+          for x in rows]
+    if bd:
+        lines += ["", "The server's batched decoder in process (deterministic, as served), one step over "
+                  f"{bd[0][2]['context']}-token rows: "
+                  + "; ".join(f"{t} thread(s), weights {w}, batch {x['batch']}: {x['tokens_per_s']:.1f} tokens/s"
+                              for t, w, x in bd) + "."]
     mem = result.get("resident_mb")
     if mem:
         lines += ["", "Resident memory over torch's own, one process each after loading and one short generation: "

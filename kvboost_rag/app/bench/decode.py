@@ -9,7 +9,8 @@ method decodes exactly ``new_tokens`` greedy tokens with EOS masked, so all deco
   beforehand (``weights="fp32"`` / ``"fp16"``, :mod:`kvboost_core.weights`); ``total_s`` is the answer end to end;
 - ``llamacpp``: llama-cpp-python on the GGUF the zoo converts the model from (Q4_1 for SmolLM2), fed the ids.
 
-Decode tokens/s = (new_tokens - 1) / (time after the first token). Methods alternate per prompt and round (one
+Decode tokens/s = (new_tokens - 1) / (time after the first token). Also the server's batched decoder in
+process (deterministic, as served), one step over 1 and 8 rows of the first prompt's length, per precision. Methods alternate per prompt and round (one
 warm-up call each, off the clock); medians over rounds, then prompts. Resident memory is measured in a fresh
 subprocess per method: the process's RSS after loading and one short generation, minus the RSS of a process
 that only imported torch. ``--ops`` adds the per-matmul timings behind the choice of kernel (fp32 MKL, FBGEMM
@@ -149,6 +150,29 @@ def _load(method: str, model: str, threads: int) -> Callable[[], Any]:
     return lambda: rag.generate("Hello", max_new_tokens=4)
 
 
+def batched_steps(engine: Any, context: int, batches: Sequence[int], steps: int = 6) -> list[dict[str, Any]]:
+    """Decode-step throughput of the server's batched decoder (deterministic, as served) in process: ``b`` rows
+    over a ``context``-token prompt each, tokens/s = b / step time (median of ``steps``)."""
+    from kvboost_core import Segment
+    from kvboost_core.batch import BatchedDecoder, prefill
+
+    pre = prefill(engine, [Segment(token_ids=[5] * context)], store_prefix=False)
+    rows = []
+    for b in batches:
+        dec = BatchedDecoder(engine.driver, b, deterministic=True)
+        slots = [dec.add(pre.result.cache.keys, pre.result.cache.values, context, context + steps + 2)
+                 for _ in range(b)]
+        dec.step({s: 5 for s in slots})  # warm-up
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            dec.step({s: 5 for s in slots})
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        rows.append({"context": context, "batch": b, "step_s": step, "tokens_per_s": b / step})
+    return rows
+
+
 def llamacpp_skip(model: str) -> str | None:
     """Why llama.cpp cannot run here, or None."""
     import importlib.util
@@ -211,8 +235,9 @@ def run(model: str, threads: int, n_prompts: int, k: int, new: int, rounds: int)
                                                                                    "ttft_s")}
         summary[name]["same_tokens_as_hf"] = sum(r["same_tokens_as_hf"] for r in rows)
         summary[name]["same_first_8_as_hf"] = sum(r["same_first_8_as_hf"] for r in rows)
+    batched = {w: batched_steps(r.engine, len(prompts[0][1]), (1, 8)) for w, r in rags.items()}
     return {"threads": threads, "prompt_tokens": [len(ids) for _, ids in prompts], "methods": summary,
-            "per_prompt": per, "llamacpp_skipped": skip}
+            "per_prompt": per, "llamacpp_skipped": skip, "batched_decode": batched}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{t} thread(s) {name:13s} {s['tokens_per_s']:6.1f} tok/s{vs}; {args.new_tokens}-token answer "
                   f"{s['total_s']:.2f} s (TTFT {s['ttft_s']:.2f} s); same tokens as HF {s['same_tokens_as_hf']}"
                   f"/{len(r['prompt_tokens'])}", flush=True)
+        for w, rows in r["batched_decode"].items():
+            print(f"{t} thread(s) batched decoder, weights {w}: " + ", ".join(
+                f"batch {x['batch']} {x['tokens_per_s']:.1f} tok/s" for x in rows), flush=True)
     if args.memory:
         result["resident_mb"] = {m: resident_mb(m, args.model, 1) for m in METHODS if m != "hf"}
         print("resident MiB over torch's:", result["resident_mb"])
