@@ -679,6 +679,22 @@ def precision_table(result: dict[str, Any]) -> str:
             f"{result['first_token_kl_max']:.1e} |\n")
 
 
+def decode_line(result: dict[str, Any]) -> str:
+    """README's line from #35: decode tokens/s at fp16 against fp32 and llama.cpp, per thread count."""
+    parts = []
+    for run in result["runs"]:
+        m = run["methods"]
+        f16, f32 = m["kvboost_fp16"]["tokens_per_s"], m["kvboost_fp32"]["tokens_per_s"]
+        part = (f"{run['threads']} thread{'s' if run['threads'] > 1 else ''}: {f16:.1f} tokens/s against "
+                f"{f32:.1f} at fp32 ({_fmt_speedup(f16 / f32)})")
+        if "llamacpp" in m:
+            part += f", {_fmt_speedup(f16 / m['llamacpp']['tokens_per_s'])} than llama.cpp on the Q4_1 GGUF"
+        parts.append(part)
+    return (f"**Decode** (`weights=\"fp16\"`, opt-in; {result['model']}, {result['new_tokens']} tokens after a "
+            f"~{result['runs'][0]['prompt_tokens'][0]:,}-token RAG prompt): " + "; ".join(parts)
+            + " ([decode figures](docs/figures.md#decode)).")
+
+
 TABLES = (
     Table("headline", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), headline_table),
     Table("when", ("rag_eval.json", "rag_ttft_4k.json", "ttft.json"), when_to_use, optional=("multiturn.json",)),
@@ -707,6 +723,7 @@ TABLES = (
     Table("chat_turns", ("chat_turns.json",), chat_turns_table),
     Table("chat_turns_line", ("chat_turns.json",), chat_turns_line),
     Table("decode", ("decode.json",), decode_table),
+    Table("decode_line", ("decode.json",), decode_line),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",
