@@ -303,11 +303,16 @@ class Backfiller:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def _idle_left(self) -> float:
+        """Seconds until a step may start (<= 0: now): none while a request is in flight, then ``IDLE_GRACE_S``
+        after the last one ended. Called with the lock held."""
+        return 0.05 if self._busy else self._idle_since + IDLE_GRACE_S - time.monotonic()
+
     def _idle_step(self) -> bool:
         """Wait until no request has been in flight for ``IDLE_GRACE_S``; False when closed."""
         with self._cond:
             while not self._closed:
-                left = 0.05 if self._busy else self._idle_since + IDLE_GRACE_S - time.monotonic()
+                left = self._idle_left()
                 if left <= 0:
                     return True
                 self._cond.wait(left)
@@ -316,8 +321,16 @@ class Backfiller:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                # a job is taken only when a step may start: until then it stays pending, where a later turn of
+                # its chat can still replace it (taken at once, it would run after a request as a stale turn)
+                while not self._closed:
+                    if not self._pending:
+                        self._cond.wait()
+                        continue
+                    left = self._idle_left()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 if self._closed:
                     return
                 job = self._pending.popleft()
