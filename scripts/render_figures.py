@@ -621,7 +621,8 @@ def decode_table(result: dict[str, Any]) -> str:
     n = result["new_tokens"]
     lines = [f"{result['model']}, RAG prompts of k={result['k']} eval documents "
              f"({', '.join(str(t) for t in result['runs'][0]['prompt_tokens'])} tokens), {n} greedy tokens with EOS "
-             f"masked, medians of {result['rounds']} rounds, {_cpu(result)}. kvboost answers over warmed documents at "
+             f"masked, medians of {result['rounds']} rounds, 2-core x86 CPU, {result.get('machine') or 'other jobs running'}"
+             ". kvboost answers over warmed documents at "
              "SmolLM2's defaults; TTFT and the answer's time from the call's start.", "",
              f"| threads | method | decode tokens/s | vs llama.cpp | {n}-token answer | TTFT |", "|---|---|---|---|---|---|"]
     for run in result["runs"]:
@@ -688,7 +689,9 @@ def decode_line(result: dict[str, Any]) -> str:
         part = (f"{run['threads']} thread{'s' if run['threads'] > 1 else ''}: {f16:.1f} tokens/s against "
                 f"{f32:.1f} at fp32 ({_fmt_speedup(f16 / f32)})")
         if "llamacpp" in m:
-            part += f", {_fmt_speedup(f16 / m['llamacpp']['tokens_per_s'])} than llama.cpp on the Q4_1 GGUF"
+            part += (f", {_fmt_speedup(f16 / m['llamacpp']['tokens_per_s'])} than llama.cpp on the Q4_1 GGUF; the "
+                     f"whole answer over warmed documents {m['kvboost_fp16']['total_s']:.1f} s against llama.cpp's "
+                     f"{m['llamacpp']['total_s']:.1f} s")
         parts.append(part)
     return (f"**Decode** (`weights=\"fp16\"`, opt-in; {result['model']}, {result['new_tokens']} tokens after a "
             f"~{result['runs'][0]['prompt_tokens'][0]:,}-token RAG prompt): " + "; ".join(parts)
