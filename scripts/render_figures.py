@@ -645,21 +645,15 @@ def decode_table(result: dict[str, Any]) -> str:
                   + ", ".join(f"{labels.get(k, k)} {v:.0f} MiB" for k, v in mem.items() if v is not None) + "."]
     ops = result.get("ops")
     if ops:
-        kernels = list(dict.fromkeys(r["kernel"] for r in ops["rows"]))
-        shapes = list(dict.fromkeys((r["out"], r["in"]) for r in ops["rows"]))
+        ms = {(x["kernel"], x["out"], x["in"], x["rows"]): x["ms"] for x in ops["rows"]}
+        kernels = list(dict.fromkeys(k for k, *_ in ms))
+        cols = list(dict.fromkeys(tuple(c) for _, *c in ms))  # (out, in, rows) in the order measured
         lines += ["", f"One linear layer, {ops['threads']} thread, ms per call (out x in, rows); batch-invariant: a "
                   "row's output alone equals it inside a batch of 8:", "",
-                  "| kernel | " + " | ".join(f"{o}x{i}, {r} row{'s' if r > 1 else ''}" for o, i in shapes
-                                              for r in (1, 2048) if any(x["out"] == o and x["in"] == i and
-                                                                        x["rows"] == r for x in ops["rows"]))
-                  + " | batch-invariant |"]
-        cols = [(o, i, r) for o, i in shapes for r in (1, 2048)
-                if any(x["out"] == o and x["in"] == i and x["rows"] == r for x in ops["rows"])]
-        lines.append("|---|" + "---|" * len(cols) + "---|")
+                  "| kernel | " + " | ".join(f"{o}x{i}, {r} row{'s' if r > 1 else ''}" for o, i, r in cols)
+                  + " | batch-invariant |", "|---|" + "---|" * len(cols) + "---|"]
         for k in kernels:
-            cells = [next((f"{x['ms']:.3f}" for x in ops["rows"] if x["kernel"] == k and (x["out"], x["in"],
-                                                                                        x["rows"]) == c), "")
-                     for c in cols]
+            cells = [f"{ms[(k, *c)]:.3f}" if (k, *c) in ms else "" for c in cols]
             lines.append(f"| {k} | " + " | ".join(cells) + f" | {'yes' if ops['batch_invariant'].get(k) else 'no'} |")
     return "\n".join(lines) + "\n"
 

@@ -84,10 +84,8 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
     else:
         host = args.host or LOOPBACK
     block = getattr(args, "block_adapter", None)
-    extra = {"block_adapter": block} if block else {}
-    if getattr(args, "weights", "fp32") != "fp32":
-        extra["weights"] = args.weights
-    loaded = load_engine(args.model, store=args.store, **extra)
+    loaded = load_engine(args.model, store=args.store, weights=getattr(args, "weights", "fp32"),
+                         **({"block_adapter": block} if block else {}))
     name = args.served_model_name or args.model
     aliases = (args.model, loaded.label, Path(args.model).name)
     state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvboost_core.config import PRECISIONS
 from kvboost_rag.app.cli_util import UserError, positive_int
 from kvboost_rag.app.server.factory import LOOPBACK, build, check_args
 
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-adapter", default=None, metavar="DIR|shipped",
                    help="serve with a block adapter (kvboost-rag adapt --block; 'shipped': the one trained for "
                         "--model): documents are served at repair='none' as that adapted model's own prefill")
-    p.add_argument("--weights", choices=("fp32", "fp16"), default="fp32",
+    p.add_argument("--weights", choices=PRECISIONS, default="fp32",
                    help="precision the model's linear weights are held at (default fp32): fp16 packs them for "
                         "FBGEMM on the CPU, about 2x faster decode with fp32 activations (docs/limits.md)")
     p.add_argument("--host", default=None, help=f"address to bind (default {LOOPBACK}; without --namespace-keys "
