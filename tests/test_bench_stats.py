@@ -71,3 +71,28 @@ def test_first_sentence_ends_after_a_number():
     b = "The first skating race held on Lake Essary was held in 1899. The ice was thick that year."
     assert first_sentence(a) == first_sentence(b) == "the first skating race held on lake essary was held in 1899"
     assert first_sentence("It costs 3.5 crowns. Cheap.") == "it costs 3.5 crowns"
+
+
+def _rows(setting, correct, questions=None):
+    from kvboost_rag.app.bench.rag import Row
+
+    qs = questions or [f"q{i}" for i in range(len(correct))]
+    return [Row(q, "gold", setting, "answer", c, True, True, 0.0, True, 0.0, 1.0, 1.0) for q, c in zip(qs, correct)]
+
+
+def test_block_cost_is_paired_with_the_adapted_models_own_full_prefill():
+    from kvboost_rag.app.bench.rag import ADAPTED_FULL, summaries
+
+    base = [True, False, False, True, False, False]
+    own = [True, True, True, True, False, False]
+    block = [True, True, False, False, False, True]
+    out = summaries({"full": _rows("full", base), ADAPTED_FULL: _rows(ADAPTED_FULL, own),
+                     "block": _rows("block", block)})
+    vs_base, cost = out["block"]["extra"]["paired"], out["block"]["extra"]["block_cost"]
+    assert vs_base["reference_accuracy"] == pytest.approx(2 / 6) and vs_base["diff"] == pytest.approx(1 / 6)
+    assert cost["reference_accuracy"] == pytest.approx(4 / 6) and cost["diff"] == pytest.approx(-1 / 6)
+    assert (cost["lost"], cost["gained"]) == (2, 1)
+    assert "block_cost" not in summaries({"full": _rows("full", base), "block": _rows("block", block)})["block"]["extra"]
+    with pytest.raises(ValueError, match="not paired"):
+        summaries({"full": _rows("full", base), ADAPTED_FULL: _rows(ADAPTED_FULL, own, list("abcdef")),
+                   "block": _rows("block", block)})

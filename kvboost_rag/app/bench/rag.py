@@ -57,6 +57,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
                     "recheck_ratio": 0.3},
     "default": {},
 }
+# the adapted model's own plain HF full prefill of the same ids (run with --block-adapter and --adapted-full)
+ADAPTED_FULL = "adapted-full"
 
 
 @dataclass(slots=True)
@@ -151,17 +153,29 @@ def summarize(setting: str, rows: Sequence[Row], full_ttft: float, full: Sequenc
 
 
 def summaries(rows: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
+    """Every setting against the base model's full prefill; with an ``adapted-full`` arm, the block setting also
+    against it (``block_cost``: what block reading costs the adapted model, apart from what its weights change)."""
+    from kvboost_rag.app.bench.stats import paired_accuracy
+
     full_ttft = statistics.median(r.ttft_s for r in rows["full"])
-    return {s: asdict(summarize(s, r, full_ttft, rows["full"])) for s, r in rows.items()}
+    out = {s: asdict(summarize(s, r, full_ttft, rows["full"])) for s, r in rows.items()}
+    if "block" in rows and ADAPTED_FULL in rows:  # both paired with "full"'s questions by summarize
+        out["block"]["extra"]["block_cost"] = paired_accuracy([r.correct for r in rows[ADAPTED_FULL]],
+                                                              [r.correct for r in rows["block"]]).to_dict()
+    return out
 
 
 def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[str, dict[str, Any]],
         max_new_tokens: int = 32, seed: int = 0, log: Any = print, start: int = 0,
-        block_rag: Any = None) -> dict[str, Any]:
+        block_rag: Any = None, adapted_full: bool = False) -> dict[str, Any]:
     """Every question through HF full prefill (the reference) and each setting; with ``block_rag`` (a
     KVBoostRAG whose engine has a block adapter) also the ``block`` setting: the adapted model served at
     ``repair="none"``, its greedy answer checked against the independent HF block construction
-    (kvboost_core.lora.block_prefill) and its accuracy compared with the base model's full prefill."""
+    (kvboost_core.lora.block_prefill) and its accuracy compared with the base model's full prefill.
+    ``adapted_full`` (with ``block_rag``): also the adapted model's plain HF full prefill of the same ids, the
+    reference of block reading's own cost."""
+    if adapted_full and block_rag is None:
+        raise ValueError("adapted_full needs block_rag (the adapted model)")
     from kvboost_core.tuning.fidelity import kl_divergence
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.block_reference import served_as_reference
@@ -181,6 +195,8 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
         rows[s] = []
     if block_rag is not None:
         rows["block"] = []
+    if adapted_full:
+        rows[ADAPTED_FULL] = []
     encoded: dict = {}  # the adapted model's isolated document encodings, for the HF block construction
     prompt_tokens = []
     for i, (q, docs) in enumerate(sets):
@@ -192,6 +208,13 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
         ref_sentence = first_sentence(ref.text)
         rows["full"].append(Row(q.question, q.answer, "full", ref.text, rc.is_correct(ref.text, q), True, True, 0.0,
                                 True, 0.0, 1.0, ref.ttft_s))
+        if adapted_full:
+            own = hf_greedy(block_rag.engine.model, block_rag.engine.tokenizer, ids, max_new_tokens, eos)
+            rows[ADAPTED_FULL].append(Row(
+                q.question, q.answer, ADAPTED_FULL, own.text, rc.is_correct(own.text, q),
+                first_sentence(own.text) == ref_sentence, own.tokens == ref.tokens,
+                kl_divergence(ref.logits, own.logits), int(own.logits.argmax()) == int(ref.logits.argmax()), 0.0,
+                1.0, own.ttft_s))
         runs = [(name, rag, kw) for name, kw in settings.items()]
         if block_rag is not None:
             runs.append(("block", block_rag, {"repair": "none"}))
@@ -302,6 +325,11 @@ def print_table(result: dict[str, Any]) -> None:
         same_s = (f"{same['rate']:.1%} [{same['lo']:.0%}, {same['hi']:.0%}]" if same else "")
         print(f"{s:<18}{m['accuracy']:>7.1%}  {delta:<24}{p:>10}{kept:>7}  {same_s:<22}{m['kl_mean']:>8.4f}"
               f"{m['reuse']:>7.1%}{m['recompute']:>8.1%}{m['ttft_s']:>8.3f}  {ratio_speedup(m['speedup'])}")
+        if "block_cost" in ex:
+            bc = ex["block_cost"]
+            print(f"{'':<18}block reading's own cost, against the adapted model's full prefill "
+                  f"({bc['reference_accuracy']:.1%}): {pct_ci(bc['diff'], bc['diff_lo'], bc['diff_hi'])}, "
+                  f"McNemar p={bc['mcnemar_p']:.3f}")
         if "exact_vs_hf_block" in ex:
             e = ex["exact_vs_hf_block"]
             print(f"{'':<18}answers identical to the independent HF block construction: "
@@ -327,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-adapter", default=None, metavar="DIR",
                     help="also run the 'block' setting: a second engine with this block adapter at repair='none', "
                          "checked against the independent HF block construction")
+    ap.add_argument("--adapted-full", action="store_true",
+                    help="with --block-adapter: also the adapted model's plain HF full prefill of the same ids, "
+                         "and block reading's own cost against it (block_cost)")
     ap.add_argument("--json", dest="json_path", help="write the result as JSON")
     ap.add_argument("--ttft-k", type=nonnegative_int, default=0,
                     help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
@@ -336,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="instead of running: merge result files of disjoint question slices")
     ap.add_argument("--plot", dest="plot_path", help="recompute share vs same answer / accuracy / speedup")
     args = ap.parse_args(argv)
+    if args.adapted_full and not args.block_adapter:
+        ap.error("--adapted-full needs --block-adapter (the adapted model)")
     chosen = {}
     for s in filter(None, args.settings.split(",")):  # "" runs full prefill (and --block-adapter's block) only
         if s not in SETTINGS:
@@ -365,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_ttft(result)
     else:
         result = run(rag, args.split, args.k, args.questions, chosen, args.max_new_tokens, start=args.start,
-                     block_rag=block_rag)
+                     block_rag=block_rag, adapted_full=args.adapted_full)
         print_table(result)
     _save(result, args.json_path, None if args.ttft_k else args.plot_path)
     return 0
@@ -380,8 +413,8 @@ def _save(result: dict[str, Any], json_path: str | None, plot_path: str | None) 
 
 
 # the chat format (rag_chat) is re-exported: multiturn, demo_chat and older scripts import it from here
-__all__ = ["DEFAULT_MODEL", "SETTINGS", "SYSTEM", "Reference", "Row", "Summary", "first_sentence", "hf_greedy",
-           "main", "merge_runs", "messages", "plot_curve", "print_table", "run", "summaries", "summarize",
+__all__ = ["ADAPTED_FULL", "DEFAULT_MODEL", "SETTINGS", "SYSTEM", "Reference", "Row", "Summary", "first_sentence",
+           "hf_greedy", "main", "merge_runs", "messages", "plot_curve", "print_table", "run", "summaries", "summarize",
            "user_message"]
 
 
