@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention
 from kvboost_core.backfill import BackfillJob, conversation_job
-from kvboost_core.driver import ModelDriver
 from kvboost_core.invariant import row_tiled, rowwise_attention
+from kvboost_core.model import attention
+from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import PrefillResult
 from kvboost_core.stages import EngineStages
 

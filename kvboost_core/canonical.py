@@ -46,9 +46,9 @@ from kvboost_core.assembly import (
     lookup,
     place,
 )
-from kvboost_core.driver import ScatterCache
-from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
+from kvboost_core.model.driver import ScatterCache
+from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult
 from kvboost_core.segments import TokenizedSegment

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-PRECISIONS = ("fp32", "fp16")  # EngineConfig.weights (kvboost_core.weights)
+PRECISIONS = ("fp32", "fp16")  # EngineConfig.weights (kvboost_core.model.weights)
 
 
 def check_precision(weights: object) -> str:
@@ -133,7 +133,7 @@ class EngineConfig:
     # documents served at repair="none" are that adapted model's own (block-attention) prefill
     # (kvboost_core.lora.block_adapter). None: the base model.
     block_adapter: str | None = None
-    # The precision the linear layers' weights are held and read at (kvboost_core.weights): "fp32" as loaded,
+    # The precision the linear layers' weights are held and read at (kvboost_core.model.weights): "fp32" as loaded,
     # or "fp16" packed for FBGEMM on the CPU (half the bytes per decoded token; fp32 activations). Applied to the
     # model in place when the engine is built; the stored KV's key includes it.
     weights: str = "fp32"

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvboost_core import weights
 from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
-from kvboost_core.driver import ModelDriver
 from kvboost_core.generation import GenerationMixin, GenerationStream
 from kvboost_core.keys import Fingerprint, model_fingerprint
+from kvboost_core.model import weights
+from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import Counters
 from kvboost_core.segments import Segment, chat_head_text, check_utf8, check_vocab, lead_token_ids
 from kvboost_core.store import KVGeometry

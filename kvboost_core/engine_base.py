@@ -18,8 +18,8 @@ from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_promp
 
 if TYPE_CHECKING:
     from kvboost_core.backfill import Backfiller, FollowUps
-    from kvboost_core.driver import ModelDriver
     from kvboost_core.keys import Fingerprint
+    from kvboost_core.model.driver import ModelDriver
     from kvboost_core.results import Counters
     from kvboost_core.store import KVStore
     from kvboost_core.tuning.autocalib import FirstUse

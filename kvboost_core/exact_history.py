@@ -23,7 +23,7 @@ from kvboost_core.assembly import plan_chunks
 from kvboost_core.backfill import BackfillJob, BackfillResult, conversation_job, run_job
 from kvboost_core.call_options import check_history_tokens, repair_spec
 from kvboost_core.canonical import CanonicalJob
-from kvboost_core.driver import ScatterCache
+from kvboost_core.model.driver import ScatterCache
 from kvboost_core.prefill import PrefillMixin
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult

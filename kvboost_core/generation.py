@@ -21,7 +21,7 @@ from kvboost_core.decode import (
     process_and_sample,
 )
 from kvboost_core.exact_history import BackfillMixin
-from kvboost_core.forward import decode_step
+from kvboost_core.model.forward import decode_step
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import check_vocab
 

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from kvboost_core.assembly import Chunk, Plan
     from kvboost_core.config import EngineConfig
-    from kvboost_core.driver import ModelDriver, ScatterCache
     from kvboost_core.keys import Fingerprint
+    from kvboost_core.model.driver import ModelDriver, ScatterCache
     from kvboost_core.repair import RepairSpec
     from kvboost_core.results import AssembledCache, Counters, PrefillStats
     from kvboost_core.segments import TokenizedSegment

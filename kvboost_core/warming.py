@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import content_key, kv_precision
+from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.prefill import PrefillMixin
 from kvboost_core.results import WarmResult
 from kvboost_core.segments import Segment, check_vocab, normalize_prompt
