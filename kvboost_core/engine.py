@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
 from kvboost_core.generation import GenerationMixin, GenerationStream
@@ -28,6 +27,7 @@ from kvboost_core.model import weights
 from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import Counters
 from kvboost_core.segments import Segment, chat_head_text, check_utf8, check_vocab, lead_token_ids
+from kvboost_core.serving.backfill import Backfiller, FollowUps
 from kvboost_core.store import KVGeometry
 from kvboost_core.store.factory import build_store
 from kvboost_core.tuning.autocalib import FirstUse, load_cached
@@ -90,7 +90,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = frozenset(self._eos_ids())
-        self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.backfill); idle until used
+        self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.serving.backfill); idle until used
         self._follow_ups = FollowUps()  # backfill="auto": which prompts continue an earlier one
         # calibration on first use (kvboost_core.tuning.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None

@@ -17,10 +17,10 @@ from kvboost_core.config import EngineConfig
 from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_prompt, tokenize_segments
 
 if TYPE_CHECKING:
-    from kvboost_core.backfill import Backfiller, FollowUps
     from kvboost_core.keys import Fingerprint
     from kvboost_core.model.driver import ModelDriver
     from kvboost_core.results import Counters
+    from kvboost_core.serving.backfill import Backfiller, FollowUps
     from kvboost_core.store import KVStore
     from kvboost_core.tuning.autocalib import FirstUse
 
@@ -46,8 +46,8 @@ class EngineBase:
     _counters: Counters
     _eos: frozenset[int]
     _first_use: FirstUse
-    _backfill: Backfiller  # exact history (kvboost_core.backfill)
-    _follow_ups: FollowUps  # backfill="auto" (kvboost_core.backfill)
+    _backfill: Backfiller  # exact history (kvboost_core.serving.backfill)
+    _follow_ups: FollowUps  # backfill="auto" (kvboost_core.serving.backfill)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

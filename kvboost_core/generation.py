@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from kvboost_core.backfill import FOLLOW_UP_WAIT_S, conversation_job
 from kvboost_core.call_options import CallOptions, call_options
 from kvboost_core.decode import (
     LogitsProcessor,
@@ -24,6 +23,7 @@ from kvboost_core.exact_history import BackfillMixin
 from kvboost_core.model.forward import decode_step
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import check_vocab
+from kvboost_core.serving.backfill import FOLLOW_UP_WAIT_S, conversation_job
 
 
 class GenerationStream:

@@ -55,7 +55,7 @@ class PrefillStats:
     assemble_s: float = 0.0
     forward_s: float = 0.0
     prefill_s: float = 0.0  # compute time of the prefill (the sum of the stages)
-    canonical_prefix_tokens: int | None = None  # a canonical prefill's cut (kvboost_core.canonical)
+    canonical_prefix_tokens: int | None = None  # a canonical prefill's cut (kvboost_core.serving.canonical)
     chat_history_tokens: int | None = None  # a chat call's history (kvboost_core.exact_history)
 
     def as_dict(self) -> dict[str, Any]:

@@ -11,9 +11,9 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for, full_logits
 
-from kvboost_core.batch import prefill as batch_prefill
 from kvboost_core.model import attention
 from kvboost_core.model.forward import decode_step
+from kvboost_core.serving.batch import prefill as batch_prefill
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None,

@@ -12,8 +12,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for
 
-from kvboost_core.batch import prefill as batch_prefill
 from kvboost_core.model import forward, replay
+from kvboost_core.serving.batch import prefill as batch_prefill
 
 PROMPT = docs_prompt([CORPUS[3], CORPUS[0], CORPUS[5], CORPUS[2]], " Who repairs bicycles in town?")
 SETTINGS = [

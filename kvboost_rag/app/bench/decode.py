@@ -154,7 +154,7 @@ def batched_steps(engine: Any, context: int, batches: Sequence[int], steps: int 
     """Decode-step throughput of the server's batched decoder (deterministic, as served) in process: ``b`` rows
     over a ``context``-token prompt each, tokens/s = b / step time (median of ``steps``)."""
     from kvboost_core import Segment
-    from kvboost_core.batch import BatchedDecoder, prefill
+    from kvboost_core.serving.batch import BatchedDecoder, prefill
 
     pre = prefill(engine, [Segment(token_ids=[5] * context)], store_prefix=False)
     rows = []

@@ -43,7 +43,7 @@ RETRIEVE_TURNS = (1, 4, 7)  # turns that retrieve new documents; the others foll
 # kvboost variants: EngineConfig overrides on top of the model's shipped settings
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "backfill": {"backfill": True},  # exact history (kvboost_core.backfill)
+    "backfill": {"backfill": True},  # exact history (kvboost_core.serving.backfill)
     "block+backfill": {"backfill": True, "block_adapter": "shipped"},  # documents at repair="none"
 }
 

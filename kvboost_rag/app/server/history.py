@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost_core.backfill import MAX_PENDING, MAX_PENDING_TOKENS, BackfillJob, step_ends
+from kvboost_core.serving.backfill import MAX_PENDING, MAX_PENDING_TOKENS, BackfillJob, step_ends
 
 log = logging.getLogger("kvboost_rag.app.server")
 
