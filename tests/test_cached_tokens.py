@@ -206,7 +206,7 @@ def test_exact_prefix_reuse_is_cached_on_every_surface(surfaces):
     """A prompt without documents, twice: the second time its KV is an exact prefix hit, counted as cached and
     never as approximate. How much is reused differs by design: the engine's ordinary prefill (completions)
     reuses all but the last token; the server's deterministic prefill (kvboost_core/serving/canonical.py) and the
-    in-process chat skins' chat turns (the same canonical chunks, kvboost_core.exact_history) the whole chunks
+    in-process chat skins' chat turns (the same canonical chunks, kvboost_core.engine.exact_history) the whole chunks
     before the chunk holding the last token; so the server's reports are compared with its own prefill path, the
     in-process skins with each other, with the server's and with the engine's stats."""
     _, _, _, (lc_rag, _, _) = surfaces

@@ -134,7 +134,7 @@ def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool
     :class:`kvboost_core.serving.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
     only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers.
 
-    ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.exact_history`: the prompt's
+    ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.engine.exact_history`: the prompt's
     first ``h`` tokens (up to the end of its last assistant message) are never re-placed; their KV is the exact
     canonical prefill, read from the store where a backfill (:meth:`PrefillTask.turn_job`) put it. On an engine
     whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill."""

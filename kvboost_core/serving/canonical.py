@@ -19,7 +19,7 @@ prefix hits are not used. With ``kv_bits`` set, a computed canonical chunk is qu
 it is used, exactly as a stored one would be served.
 
 A chat's history (``exact_before``: the prompt up to the end of its last assistant message, see
-:mod:`kvboost_core.exact_history`) is never re-placed: its documents are computed like any other head token, so
+:mod:`kvboost_core.engine.exact_history`) is never re-placed: its documents are computed like any other head token, so
 the history's KV is the exact full-attention prefill in canonical chunks, bitwise the same whether a backfill
 stored them or the prompt computes them now.
 

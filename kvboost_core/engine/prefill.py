@@ -25,7 +25,7 @@ from kvboost_core.assembly import (
     plan_chunks,
 )
 from kvboost_core.call_options import call_options
-from kvboost_core.engine_base import EngineBase
+from kvboost_core.engine.base import EngineBase
 from kvboost_core.keys import kv_precision
 from kvboost_core.kv_encode import maybe_quantize
 from kvboost_core.model.driver import ScatterCache

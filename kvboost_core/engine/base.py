@@ -1,9 +1,10 @@
 """What every stage of the engine reads: its state, set once by ``KVEngine.__init__``, and the prompt's tokens.
 
 The engine is one class assembled from one module per stage, each a mixin over this base:
-:mod:`kvboost_core.prefill` (lookup, place, forward, stats, store the prefix), :mod:`kvboost_core.warming`
-(documents' KV), :mod:`kvboost_core.generation` (the decode loop) and :mod:`kvboost_core.engine` (construction,
-loading, introspection). The attributes below are declared here so each stage is type-checked against them.
+:mod:`kvboost_core.engine.prefill` (lookup, place, forward, stats, store the prefix),
+:mod:`kvboost_core.engine.warming` (documents' KV), :mod:`kvboost_core.engine.generation` (the decode loop) and
+:mod:`kvboost_core.engine.kvengine` (construction, loading, introspection). The attributes below are declared here
+so each stage is type-checked against them.
 """
 
 from __future__ import annotations

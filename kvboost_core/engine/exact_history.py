@@ -21,8 +21,8 @@ from typing import Any
 
 from kvboost_core.assembly import plan_chunks
 from kvboost_core.call_options import check_history_tokens, repair_spec
+from kvboost_core.engine.prefill import PrefillMixin
 from kvboost_core.model.driver import ScatterCache
-from kvboost_core.prefill import PrefillMixin
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult
 from kvboost_core.segments import Segment, TokenizedSegment, check_vocab
