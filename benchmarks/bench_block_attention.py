@@ -2,7 +2,7 @@
 
 Compares, on the same random rows (a share ``--ratio`` of the reused positions plus a 64-token question):
 the former path (bool (n, T) mask, K/V repeated to 9 heads, as HF's sdpa does when given a mask), a dense float
-mask with native GQA, kvboost's causal query blocks (kvboost_core.attention) at several block sizes, and HF's
+mask with native GQA, kvboost's causal query blocks (kvboost_core.model.attention) at several block sizes, and HF's
 own causal prefill of all T rows (the reference a full prefill pays). ``--flex`` adds torch's compiled
 flex_attention (its compile time is reported apart). Best of ``--repeat`` runs, side by side in one process.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost_core import attention
+from kvboost_core.model import attention
 
 
 def _best(fn: Any, repeat: int) -> float:

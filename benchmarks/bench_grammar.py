@@ -343,7 +343,7 @@ def decode_step_ms(path: str, steps: int = 24) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     times = []

@@ -211,12 +211,12 @@ def hf_sequential(model_dir: str, requests: list, max_tokens: int, threads: int 
 
 def decode_micro(model: str, threads: int | None, contexts: tuple[int, ...] = (64, 1024, 2000),
                  batches: tuple[int, ...] = (1, 4, 8), steps: int = 4) -> list[dict[str, Any]]:
-    """Decode-step throughput of kvboost_core.batch in process, by context length and batch size: what
+    """Decode-step throughput of kvboost_core.serving.batch in process, by context length and batch size: what
     batching buys once the batch is full (the served figures also carry prefill and partial batches)."""
     import torch
 
     from kvboost_core import Segment
-    from kvboost_core.batch import BatchedDecoder, prefill
+    from kvboost_core.serving.batch import BatchedDecoder, prefill
     from kvboost_rag.app.loading import load_engine
 
     if threads:

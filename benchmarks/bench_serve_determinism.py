@@ -1,6 +1,6 @@
 """What batch-invariant decode costs: ``kvboost-rag serve --deterministic`` (default) vs ``--no-deterministic``.
 
-Times kvboost_core.batch.BatchedDecoder steps in process, on and off interleaved (rounds alternate, median
+Times kvboost_core.serving.batch.BatchedDecoder steps in process, on and off interleaved (rounds alternate, median
 per configuration), for a lone request and a batch of 8, at two context lengths. Also records how far a
 request's logits move between decoding alone and in a batch of 8 with each setting (on: 0 by design).
 
@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "integrations")]
 
 def _decoder(engine: Any, pres: list[Any], deterministic: bool, steps: int) -> tuple[Any, list[Any]]:
     """A decoder holding the prefilled prompts ``pres`` (one row each) with room for ``steps`` tokens."""
-    from kvboost_core.batch import BatchedDecoder
+    from kvboost_core.serving.batch import BatchedDecoder
 
     dec = BatchedDecoder(engine.driver, 8, deterministic=deterministic)
     slots = [dec.add(p.result.cache.keys, p.result.cache.values, len(p.result.token_ids),
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvboost_core import Segment
-    from kvboost_core.batch import prefill
+    from kvboost_core.serving.batch import prefill
     from kvboost_rag.app.loading import load_engine
 
     torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ from kvboost_core.config import EngineConfig
 from kvboost_core.lazy import lazy_exports
 from kvboost_core.segments import Segment
 
-_LAZY = {"KVEngine": "kvboost_core.engine", "GenerationStream": "kvboost_core.generation",
+_LAZY = {"KVEngine": "kvboost_core.engine", "GenerationStream": "kvboost_core.engine.generation",
          "CacheCounts": "kvboost_core.results", "cache_counts": "kvboost_core.results",
          "GenerationResult": "kvboost_core.results", "PrefillResult": "kvboost_core.results",
          "WarmResult": "kvboost_core.results", "PrefillStats": "kvboost_core.results",
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from kvboost_core.config import RepairSpec
     from kvboost_core.decode import LogitsProcessor, SamplingParams, StopGeneration
     from kvboost_core.engine import KVEngine
-    from kvboost_core.generation import GenerationStream
+    from kvboost_core.engine.generation import GenerationStream
     from kvboost_core.results import (
         CacheCounts,
         GenerationResult,

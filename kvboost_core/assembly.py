@@ -197,7 +197,7 @@ def chunk_prefix_keys(namespace: str, fingerprint: Fingerprint, ids: Sequence[in
                       ) -> list[tuple[CacheKey, CacheKey, bytes]]:
     """(parent, key, context digest) of every chunk's prefix entry, in order, in ``precision``'s key space: the
     one walk of a prefix chain. ``root``: the chain's root (default: the engine's ordinary prefix chain; the
-    canonical chain of :mod:`kvboost_core.canonical` has its own)."""
+    canonical chain of :mod:`kvboost_core.serving.canonical` has its own)."""
     out, digest = [], b""
     parent = root_key(namespace, fingerprint, precision=precision) if root is None else root
     for ch in chunks:

@@ -68,7 +68,7 @@ class CallOptions:
     spec: RepairSpec
     add_special_tokens: bool | None = None  # None: the tokenizer's default
     store_prefix: bool | None = None  # None: the config's
-    history_tokens: int | None = None  # a chat turn's history length (kvboost_core.exact_history); None: one-shot
+    history_tokens: int | None = None  # a chat turn's history length (kvboost_core.engine.exact_history); None: one-shot
     turn_end: tuple[int, ...] = ()  # what the chat template writes after an answer
 
     @property

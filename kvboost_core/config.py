@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-PRECISIONS = ("fp32", "fp16")  # EngineConfig.weights (kvboost_core.weights)
+PRECISIONS = ("fp32", "fp16")  # EngineConfig.weights (kvboost_core.model.weights)
 
 
 def check_precision(weights: object) -> str:
@@ -109,12 +109,12 @@ class EngineConfig:
     # under the prompt's prefix keys and serves it (counted as ``reused_repaired``, never as exact) to later
     # prompts with the same prefix: faster multi-turn reuse, but answers then depend on which request came first.
     store_repaired: bool = False
-    # Exact history (kvboost_core.backfill): after each generation, a background thread recomputes the prompt and
+    # Exact history (kvboost_core.serving.backfill): after each generation, a background thread recomputes the prompt and
     # the generated tokens exactly while no request runs, and stores them as exact prefix entries, so a chat's next
     # turn reuses its whole history exactly (as prefix caching does after a full prefill) instead of repairing it
     # again. Costs one prefill of the approximate part per turn, off the request path. Needs store_prefix.
     # "auto" (the default): only after a generation whose prompt continues an earlier prompt of this engine (a
-    # chat's second turn on; kvboost_core.backfill.FollowUps), so one-shot questions never pay for it. True:
+    # chat's second turn on; kvboost_core.serving.backfill.FollowUps), so one-shot questions never pay for it. True:
     # after every generation; False: never.
     backfill: bool | str = "auto"
     add_special_tokens: bool = True
@@ -133,7 +133,7 @@ class EngineConfig:
     # documents served at repair="none" are that adapted model's own (block-attention) prefill
     # (kvboost_core.lora.block_adapter). None: the base model.
     block_adapter: str | None = None
-    # The precision the linear layers' weights are held and read at (kvboost_core.weights): "fp32" as loaded,
+    # The precision the linear layers' weights are held and read at (kvboost_core.model.weights): "fp32" as loaded,
     # or "fp16" packed for FBGEMM on the CPU (half the bytes per decoded token; fp32 activations). Applied to the
     # model in place when the engine is built; the stored KV's key includes it.
     weights: str = "fp32"

@@ -20,7 +20,7 @@ import torch
 
 from kvboost_core.assembly import APPROX, FRESH, Plan
 from kvboost_core.config import RepairSpec
-from kvboost_core.forward import Schedule, Scorer
+from kvboost_core.model.forward import Schedule, Scorer
 
 
 def _sq_dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,8 @@ class PrefillStats:
     assemble_s: float = 0.0
     forward_s: float = 0.0
     prefill_s: float = 0.0  # compute time of the prefill (the sum of the stages)
-    canonical_prefix_tokens: int | None = None  # a canonical prefill's cut (kvboost_core.canonical)
-    chat_history_tokens: int | None = None  # a chat call's history (kvboost_core.exact_history)
+    canonical_prefix_tokens: int | None = None  # a canonical prefill's cut (kvboost_core.serving.canonical)
+    chat_history_tokens: int | None = None  # a chat call's history (kvboost_core.engine.exact_history)
 
     def as_dict(self) -> dict[str, Any]:
         """The flat view: every field, None ones left out (a plain prefill has no canonical cut)."""

@@ -1,12 +1,12 @@
 """The engine's stages as the modules around it see them: one declared, type-checked interface.
 
-:class:`kvboost_core.engine.KVEngine` is assembled from one module per stage (:mod:`~kvboost_core.engine_base`:
-state and tokenization, :mod:`~kvboost_core.prefill`: chunk, plan, place, forward, stats and stored blocks,
-:mod:`~kvboost_core.warming`, :mod:`~kvboost_core.generation`, :mod:`~kvboost_core.exact_history`). The serving
-and tuning modules that drive those stages from outside (:mod:`~kvboost_core.canonical`,
-:mod:`~kvboost_core.batch`, :mod:`~kvboost_core.tuning.fidelity`, :mod:`~kvboost_core.tuning.autocalib`) take the engine as an
-:class:`EngineStages` and read nothing else of it: no private attribute (``tests/test_public_api.py`` checks the
-source), so what they depend on is this list.
+:class:`kvboost_core.engine.KVEngine` is assembled from one module per stage (:mod:`~kvboost_core.engine.base`:
+state and tokenization, :mod:`~kvboost_core.engine.prefill`: chunk, plan, place, forward, stats and stored blocks,
+:mod:`~kvboost_core.engine.warming`, :mod:`~kvboost_core.engine.generation`,
+:mod:`~kvboost_core.engine.exact_history`). The serving and tuning modules that drive those stages from outside
+(:mod:`~kvboost_core.serving.canonical`, :mod:`~kvboost_core.serving.batch`, :mod:`~kvboost_core.tuning.fidelity`,
+:mod:`~kvboost_core.tuning.autocalib`) take the engine as an :class:`EngineStages` and read nothing else of it: no
+private attribute (``tests/test_public_api.py`` checks the source), so what they depend on is this list.
 
 Data flows one way through it: text -> :meth:`~EngineStages.prompt_chunks` (tokens, segments, chunks) -> a plan
 (:func:`kvboost_core.assembly.lookup` over :attr:`~EngineStages.store`) -> :meth:`~EngineStages.new_cache` +
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from kvboost_core.assembly import Chunk, Plan
     from kvboost_core.config import EngineConfig
-    from kvboost_core.driver import ModelDriver, ScatterCache
     from kvboost_core.keys import Fingerprint
+    from kvboost_core.model.driver import ModelDriver, ScatterCache
     from kvboost_core.repair import RepairSpec
     from kvboost_core.results import AssembledCache, Counters, PrefillStats
     from kvboost_core.segments import TokenizedSegment

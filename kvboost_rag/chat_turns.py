@@ -1,4 +1,4 @@
-"""A chat call as a turn (:mod:`kvboost_core.exact_history`), seen from the RAG layer: which messages are the
+"""A chat call as a turn (:mod:`kvboost_core.engine.exact_history`), seen from the RAG layer: which messages are the
 history, and what the chat template writes after an answer."""
 
 from __future__ import annotations

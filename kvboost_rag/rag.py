@@ -187,7 +187,7 @@ class KVBoostRAG:
     def chat_history(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The chat's history as ``chat_prompt`` renders it: the messages up to the end of the last assistant
         message, without a generation prompt ("" before the first answer). Pass it as ``chat_history=`` to
-        :meth:`generate`/:meth:`stream` to make the call a chat turn (see :mod:`kvboost_core.exact_history`)."""
+        :meth:`generate`/:meth:`stream` to make the call a chat turn (see :mod:`kvboost_core.engine.exact_history`)."""
         n = history_messages(messages)
         if not n:
             return ""

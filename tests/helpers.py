@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvboost_core import Segment
-from kvboost_core.driver import output_cache
 from kvboost_core.engine import KVEngine
+from kvboost_core.model.driver import output_cache
 from kvboost_core.tuning.fidelity import compare_logits
 
 

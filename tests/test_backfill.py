@@ -1,4 +1,4 @@
-"""Exact history (kvboost_core.backfill): after a turn served from re-placed documents, the next turn's history
+"""Exact history (kvboost_core.serving.backfill): after a turn served from re-placed documents, the next turn's history
 is reused exactly and answered as a full prefill answers it."""
 
 from __future__ import annotations
@@ -13,8 +13,15 @@ from helpers import compare_logits, engine_for, full_logits
 
 from kvboost_core import Segment
 from kvboost_core.assembly import Chunk
-from kvboost_core.backfill import Backfiller, BackfillJob, FollowUps, conversation_job, run_job, step_ends
 from kvboost_core.segments import TokenizedSegment
+from kvboost_core.serving.backfill import (
+    Backfiller,
+    BackfillJob,
+    FollowUps,
+    conversation_job,
+    run_job,
+    step_ends,
+)
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
 QUESTION = " Where was Alice born?"
@@ -193,7 +200,7 @@ def test_worker_survives_a_failing_job(caplog):
 def test_exit_closes_workers_and_waits_for_the_running_step():
     """A daemon thread left inside torch at interpreter exit aborts the process: the atexit hook must stop every
     worker after its running step."""
-    from kvboost_core import backfill
+    from kvboost_core.serving import backfill
 
     started, finished = threading.Event(), threading.Event()
 

@@ -19,7 +19,7 @@ from helpers import engine_for
 
 from kvboost_core import Segment
 from kvboost_core.assembly import Chunk
-from kvboost_core.backfill import Backfiller, BackfillJob, FollowUps
+from kvboost_core.serving.backfill import Backfiller, BackfillJob, FollowUps
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
 QUESTION = " Where was Alice born?"

@@ -1,4 +1,4 @@
-"""Block attention for sparse recomputed rows (kvboost_core.attention): each query block reads keys only up to its
+"""Block attention for sparse recomputed rows (kvboost_core.model.attention): each query block reads keys only up to its
 last row, with one float mask per forward and grouped-query K/V passed natively. Checked against a dense float64
 reference over random selections, lengths, GQA ratios, windows and block sizes (the block holding the question
 spans every key; empty and full selections included), and end to end against the former dense mask on every path
@@ -11,9 +11,9 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for, full_logits
 
-from kvboost_core import attention
-from kvboost_core.batch import prefill as batch_prefill
-from kvboost_core.forward import decode_step
+from kvboost_core.model import attention
+from kvboost_core.model.forward import decode_step
+from kvboost_core.serving.batch import prefill as batch_prefill
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None,
@@ -145,7 +145,7 @@ def _paths(engine, prompt):
     cache = pre.result.cache
     total = len(ids)
     all_ids = torch.tensor(ids + [5, 9, 7], device=engine.driver.device)
-    from kvboost_core.driver import ScatterCache
+    from kvboost_core.model.driver import ScatterCache
 
     def grown(bufs):  # room for the decoded tokens: (1, H, total + 3, D)
         return [torch.cat((b[:, :, :total], b.new_zeros(*b.shape[:2], 3, b.shape[3])), dim=2) for b in bufs]

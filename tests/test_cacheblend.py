@@ -9,7 +9,7 @@ import torch
 from conftest import CORPUS
 from helpers import docs_prompt, engine_for, full_logits, full_prefill_kv
 
-from kvboost_core import attention
+from kvboost_core.model import attention
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def eng(tiny_llama, tokenizer):
 def test_mask_is_exactly_causal():
     """The one causal rule every mask is built from (attention.visible), with and without a window, and the
     dense reference and the additive form built from it."""
-    from kvboost_core import attention
-    from kvboost_core.forward import dense_mask
+    from kvboost_core.model import attention
+    from kvboost_core.model.forward import dense_mask
 
     q = torch.tensor([2, 5, 9])
     m = dense_mask(q, 12, None, impl="sdpa", dtype=torch.float32)[0, 0]  # (3, 12)

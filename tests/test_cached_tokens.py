@@ -139,8 +139,8 @@ def _metrics(srv) -> dict[str, float]:
 
 
 def _as_served(rag, messages: list[dict[str, str]]) -> tuple[int, int, int]:
-    """The server's own prefill path (kvboost_core.batch, run as its scheduler runs it) on a twin engine."""
-    from kvboost_core.batch import prefill
+    """The server's own prefill path (kvboost_core.serving.batch, run as its scheduler runs it) on a twin engine."""
+    from kvboost_core.serving.batch import prefill
 
     prompt = rag.chat_prompt(messages)
     plan = rag.plan(prompt, add_special_tokens=rag.chat_add_special_tokens(prompt))
@@ -205,8 +205,8 @@ def test_one_prompt_reports_the_same_cached_tokens_on_every_surface(surfaces):
 def test_exact_prefix_reuse_is_cached_on_every_surface(surfaces):
     """A prompt without documents, twice: the second time its KV is an exact prefix hit, counted as cached and
     never as approximate. How much is reused differs by design: the engine's ordinary prefill (completions)
-    reuses all but the last token; the server's deterministic prefill (kvboost_core/canonical.py) and the
-    in-process chat skins' chat turns (the same canonical chunks, kvboost_core.exact_history) the whole chunks
+    reuses all but the last token; the server's deterministic prefill (kvboost_core/serving/canonical.py) and the
+    in-process chat skins' chat turns (the same canonical chunks, kvboost_core.engine.exact_history) the whole chunks
     before the chunk holding the last token; so the server's reports are compared with its own prefill path, the
     in-process skins with each other, with the server's and with the engine's stats."""
     _, _, _, (lc_rag, _, _) = surfaces

@@ -62,7 +62,7 @@ def test_the_repair_setting_reaches_the_prefill_as_one_spec(engine: KVEngine, mo
                                                              ) -> None:
     """generate(repair=..., recompute_ratio=...) arrives at the prefill as one RepairSpec, built once."""
     from kvboost_core import call_options as co
-    from kvboost_core.prefill import PrefillMixin
+    from kvboost_core.engine.prefill import PrefillMixin
 
     seen: list[Any] = []
     built: list[int] = []

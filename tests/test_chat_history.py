@@ -10,8 +10,8 @@ from conftest import CORPUS
 from helpers import compare_logits, engine_for, full_logits
 
 from kvboost_core import Segment
-from kvboost_core.backfill import conversation_job, run_job
 from kvboost_core.engine import KVEngine
+from kvboost_core.serving.backfill import conversation_job, run_job
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
 QUESTIONS = [" Where was Alice born?", " And where did she go next?", " Why?"]

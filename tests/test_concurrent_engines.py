@@ -11,7 +11,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import engine_for
 
-from kvboost_core import Segment, attention
+from kvboost_core import Segment
+from kvboost_core.model import attention
 
 DOCS = [CORPUS[4], CORPUS[2], CORPUS[1]]
 QUESTION = " Where was Alice born?"

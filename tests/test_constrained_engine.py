@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from kvboost_core.driver import output_cache  # noqa: E402
 from kvboost_core.engine import KVEngine  # noqa: E402
+from kvboost_core.model.driver import output_cache  # noqa: E402
 from kvboost_rag import KVBoostRAG  # noqa: E402
 from kvboost_rag.constrained import JsonConstraint, generate_json  # noqa: E402
 from kvboost_rag.tiny import synthetic_facts, tiny_model_and_tokenizer  # noqa: E402

@@ -211,7 +211,7 @@ def test_warm_does_not_report_documents_a_full_budget_refused(tiny_llama, tokeni
     for i in range(eng.config.max_cache_bytes // filler.nbytes):  # the whole budget pinned
         assert store.put(keys_mod.content_key(eng.config.namespace, eng.fingerprint, [10_000 + i], precision="model"), filler,
                          pin=True)
-    with caplog.at_level("WARNING", logger="kvboost_core.warming"):
+    with caplog.at_level("WARNING", logger="kvboost_core.engine.warming"):
         res = eng.warm(CORPUS[1:3])
     assert res.warmed == 0 and res.not_stored == 2 and res.chunks == 0 and res.tokens == 0
     assert "not stored" in caplog.text

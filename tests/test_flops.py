@@ -9,8 +9,8 @@ from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for
 from torch.utils.flop_counter import FlopCounterMode
 
-from kvboost_core import attention
-from kvboost_core.forward import record_traces
+from kvboost_core.model import attention
+from kvboost_core.model.forward import record_traces
 from kvboost_rag.app.bench.flops import Shape, full_prefill_flops, trace_flops
 
 

@@ -1,4 +1,4 @@
-"""Batch-invariant decode (kvboost_core.invariant): a request's logits in a batched decode step are bitwise those
+"""Batch-invariant decode (kvboost_core.serving.invariant): a request's logits in a batched decode step are bitwise those
 it gets alone, at 1 and 2 threads, with SDPA and eager attention; the model is left as it was."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from conftest import CORPUS, make_tiny_model
 
 from kvboost_core import Segment
-from kvboost_core.batch import BatchedDecoder, prefill
 from kvboost_core.engine import KVEngine
-from kvboost_core.invariant import rowwise_attention
+from kvboost_core.serving.batch import BatchedDecoder, prefill
+from kvboost_core.serving.invariant import rowwise_attention
 
 
 def _steps(engine: KVEngine, prompts: list[list[Segment]], steps: int = 4) -> list[list[torch.Tensor]]:
@@ -36,7 +36,7 @@ def test_a_row_alone_and_in_a_batch_get_the_same_bits(tokenizer, impl, threads):
     torch.set_num_threads(threads)
     try:
         # SmolLM2's layout, 9 heads on 3 KV heads: the fused kernel splits a lone row's keys across 2 threads
-        # but not a batch's (the default 4 on 2 it does not split; see kvboost_core.invariant)
+        # but not a batch's (the default 4 on 2 it does not split; see kvboost_core.serving.invariant)
         model = make_tiny_model("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3)
         model.config._attn_implementation = impl
         engine = KVEngine(model, tokenizer)

@@ -4,6 +4,8 @@ kvboost_core <- kvboost_rag (library) <- integrations <- kvboost_rag.app (CLI, d
 imports only what is to its left. Lazy imports inside functions count, and so does a string naming a module
 (``importlib.import_module("...")``, a lazy-exports table). Separately, no two modules import each other, even
 lazily; imports of a package's ``__init__`` are left out of that check (a package face that hands names on).
+Inside kvboost_core its groups import one way too: model/ <- the flat modules (with store/, kernels/) <- lora/ <-
+serving/, tuning/ <- the engine shell, engine/ (``test_kvboost_core_groups_import_one_way``).
 """
 
 from __future__ import annotations
@@ -138,24 +140,76 @@ def test_no_import_cycles():
     assert cycles(_modules()) == []
 
 
-def test_kvboost_core_groups_import_one_way():
-    """kvboost_core/lora (adapter weights and the block prefill) sits below the engine: it imports neither the
-    engine's stage modules nor kvboost_core/tuning; tuning (fidelity, calibration) is driven by the engine shell
-    and imported by nothing else in kvboost_core."""
-    mods = _modules()
-    shell = {f"kvboost_core.{m}" for m in ("engine", "engine_base", "prefill", "warming", "generation",
-                                           "exact_history")}
+# kvboost_core's groups: what each may not import (the package face kvboost_core/__init__.py hands names on and is
+# left out). The flat modules, store/ and kernels/ are "core"; model/ stands on two of its leaves alone.
+CORE_GROUPS = ("engine", "serving", "model", "lora", "tuning")
+MODEL_LEAVES = ("kvboost_core.rope", "kvboost_core.config")
+FORBIDDEN = {
+    "core": {"engine", "serving", "lora", "tuning"},
+    "model": {"core", "engine", "serving", "lora", "tuning"},  # but MODEL_LEAVES
+    "lora": {"engine", "serving", "tuning"},
+    "tuning": {"engine", "serving"},
+    "serving": {"engine", "lora", "tuning"},
+    "engine": set(),
+}
+
+
+def core_group(name: str) -> str:
+    """The group of a kvboost_core module path: a subpackage of CORE_GROUPS, else "core"."""
+    return next((g for g in CORE_GROUPS if _under(name, f"kvboost_core.{g}")), "core")
+
+
+def _group_allows(mod: str, name: str) -> bool:
+    if not _under(name, "kvboost_core") or name == "kvboost_core":
+        return True
+    if core_group(mod) == "model" and any(_under(name, leaf) for leaf in MODEL_LEAVES):
+        return True
+    return core_group(name) not in FORBIDDEN[core_group(mod)]
+
+
+def group_violations(modules: dict[str, Path]) -> list[str]:
     bad = []
-    for mod, path in mods.items():
-        if not _under(mod, "kvboost_core"):
-            continue
-        names = set(imported_names(path.read_text(), mod, path.name == "__init__.py", type_checking=False))
-        if _under(mod, "kvboost_core.lora"):
-            bad += [f"{mod} -> {n}" for n in names if _under(n, "kvboost_core.tuning") or n in shell]
-        elif not _under(mod, "kvboost_core.tuning") and mod not in shell:
-            bad += [f"{mod} -> {n}" for n in names if _under(n, "kvboost_core.tuning")]
-    assert {"kvboost_core.lora.block_adapter", "kvboost_core.tuning.fidelity"} <= set(mods)
-    assert bad == []
+    for mod, path in modules.items():
+        if _under(mod, "kvboost_core") and mod != "kvboost_core":
+            names = imported_names(path.read_text(), mod, path.name == "__init__.py")
+            bad += sorted({f"{mod} -> {n}" for n in names if not _group_allows(mod, n)})
+    return bad
+
+
+def test_kvboost_core_groups_import_one_way():
+    """kvboost_core's groups, bottom up: model/ (the decoder driven layer by layer: driver, attention, forward,
+    replay, slices, weights) imports of kvboost_core only the leaves rope and config; the flat modules (the cache
+    pipeline and the shared values) with store/ and kernels/ may import model/; lora/ (adapter weights and the
+    block prefill) imports neither the engine shell nor serving nor tuning; serving/ (batch, invariant, canonical,
+    backfill) and tuning/ (fidelity, calibration) read the engine only as stages.EngineStages and import neither
+    each other nor the shell; the engine shell (engine/: base, prefill, warming, generation, exact_history,
+    kvengine) sits on top, and nothing in kvboost_core imports it, serving or tuning but the shell itself."""
+    mods = _modules()
+    assert {"kvboost_core.engine.kvengine", "kvboost_core.serving.batch", "kvboost_core.model.forward",
+            "kvboost_core.lora.block_adapter", "kvboost_core.tuning.fidelity", "kvboost_core.assembly"} <= set(mods)
+    assert group_violations(mods) == []
+
+
+@pytest.mark.parametrize(("module", "source", "expected"), [
+    ("kvboost_core.model.forward", "from kvboost_core.serving import slices\n",
+     ["kvboost_core.model.forward -> kvboost_core.serving", "kvboost_core.model.forward -> kvboost_core.serving.slices"]),
+    ("kvboost_core.model.driver", "from kvboost_core.rope import rotate\nfrom kvboost_core.model import attention\n",
+     []),
+    ("kvboost_core.model.driver", "from kvboost_core.keys import Fingerprint\n",
+     ["kvboost_core.model.driver -> kvboost_core.keys", "kvboost_core.model.driver -> kvboost_core.keys.Fingerprint"]),
+    ("kvboost_core.serving.batch", "def f():\n    from kvboost_core.engine import KVEngine\n",
+     ["kvboost_core.serving.batch -> kvboost_core.engine",
+      "kvboost_core.serving.batch -> kvboost_core.engine.KVEngine"]),
+    ("kvboost_core.repair", "from kvboost_core.model.forward import Schedule\n", []),
+    ("kvboost_core.assembly", "import kvboost_core.tuning.fidelity\n",
+     ["kvboost_core.assembly -> kvboost_core.tuning.fidelity"]),
+    ("kvboost_core", "_LAZY = {'KVEngine': 'kvboost_core.engine'}\n", []),
+    ("kvboost_core.engine.prefill", "from kvboost_core.serving.canonical import CanonicalJob\n", []),
+])
+def test_the_group_check_catches_what_it_forbids(tmp_path, module, source, expected):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert group_violations({module: path}) == expected
 
 
 def test_the_cli_is_imported_by_no_other_module():

@@ -47,7 +47,7 @@ def test_quantized_exact_prefix_fidelity(stories, report, bits, goal, max_kl):
 
 def test_pre_rope_key_storage_beats_post_rope_at_int4(stories, report, monkeypatch):
     """Side by side on the same prompts: keys quantized before RoPE (the default) vs after it."""
-    import kvboost_core.prefill as prefill_mod
+    import kvboost_core.engine.prefill as prefill_mod
 
     model, tok = stories
     prompts = _prompts(tok, 80)

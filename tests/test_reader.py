@@ -188,7 +188,7 @@ def test_adapt_trains_with_the_adapters_one_loop(monkeypatch):
 
 
 def test_batched_decode_refuses_a_reader(tmp_path):
-    from kvboost_core.batch import BatchedDecoder
+    from kvboost_core.serving.batch import BatchedDecoder
 
     eng, _ = _pair(tmp_path, 0.0)
     with pytest.raises(ValueError, match="reader"):

@@ -10,7 +10,7 @@ from conftest import CORPUS
 from helpers import docs_prompt, engine_for, full_logits, full_prefill_kv
 
 from kvboost_core.config import EngineConfig
-from kvboost_core.forward import Schedule
+from kvboost_core.model.forward import Schedule
 
 PROMPT_DOCS = [CORPUS[5], CORPUS[1], CORPUS[3], CORPUS[2]]
 

@@ -1,4 +1,4 @@
-"""The check layer's kept rows read their Q/K/V projections from its scoring pass (kvboost_core.replay): the same
+"""The check layer's kept rows read their Q/K/V projections from its scoring pass (kvboost_core.model.replay): the same
 logits and KV as projecting them again (single and canonical/batched prefill, re-check and query-aware
 selection, sdpa and eager, a qwen3 q/k-norm family), each projection runs once per row at a check layer, and a
 concurrent caller on another thread is never served the captured rows."""
@@ -12,8 +12,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from helpers import docs_prompt, engine_for
 
-from kvboost_core import forward, replay
-from kvboost_core.batch import prefill as batch_prefill
+from kvboost_core.model import forward, replay
+from kvboost_core.serving.batch import prefill as batch_prefill
 
 PROMPT = docs_prompt([CORPUS[3], CORPUS[0], CORPUS[5], CORPUS[2]], " Who repairs bicycles in town?")
 SETTINGS = [

@@ -1,4 +1,4 @@
-"""Batched decode (kvboost_core.batch): requests of different lengths, joining and leaving mid-batch, give the
+"""Batched decode (kvboost_core.serving.batch): requests of different lengths, joining and leaving mid-batch, give the
 same greedy tokens as the engine's own one-request decode loop, with the batch-invariant kernels
 (``deterministic``, the default) and without them."""
 
@@ -9,8 +9,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 
 from kvboost_core import Segment
-from kvboost_core.batch import BatchedDecoder, prefill
 from kvboost_core.engine import KVEngine
+from kvboost_core.serving.batch import BatchedDecoder, prefill
 
 
 def _prompts() -> list[list[Segment]]:

@@ -3,12 +3,12 @@ served on a cold server, after other requests that share its head and documents,
 gets the same tokens *and bitwise the same logits at every step* (a looser check could not fail: greedy tokens
 survive most last-bit differences, which is why they went unnoticed).
 
-What broke it before (kvboost_core.batch, kvboost_core.canonical): (1) the positions a prefill computes
+What broke it before (kvboost_core.serving.batch, kvboost_core.serving.canonical): (1) the positions a prefill computes
 depended on which prefix entries earlier requests had stored, and a position's KV changes in its last bits with
 how many positions are computed with it; (2) in a batched decode step the linear layers' BLAS kernel, and the
 attention kernel's key blocking, changed with the number of rows and the longest row; (3) at 2 threads the
 fused attention kernel split a lone row's keys across the threads but not a row's in a batch
-(kvboost_core.invariant). (1) shows on the real model (SmolLM2-135M-Instruct, skipped where absent), (2) on it
+(kvboost_core.serving.invariant). (1) shows on the real model (SmolLM2-135M-Instruct, skipped where absent), (2) on it
 and on the embedded demo model, (3) on the real model at 2 threads: each test runs at 1 and 2 threads.
 """
 
@@ -159,7 +159,7 @@ def test_demo_model_completion_is_history_and_batch_independent(monkeypatch, pre
 def test_chunked_prefill_interleaves_decode_and_changes_no_bit(monkeypatch):
     """A long cold prompt arrives while a request decodes: with --prefill-chunk its head is computed in pieces
     with decode steps between them, and both requests get bitwise the logits they get unchunked."""
-    from kvboost_core import batch
+    from kvboost_core.serving import batch
     from kvboost_rag.app.loading import load_engine
 
     eng = load_engine("demo").engine

@@ -200,7 +200,7 @@ def test_a_tenant_never_reads_another_tenants_history(demo: Any, docs: list[str]
 
 def test_queue_bounds_supersede_and_count_drops() -> None:
     from kvboost_core.assembly import Chunk
-    from kvboost_core.backfill import BackfillJob
+    from kvboost_core.serving.backfill import BackfillJob
 
     def job(n: int, start: int = 0) -> BackfillJob:
         ids = tuple(range(start, start + n))

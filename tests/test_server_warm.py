@@ -57,7 +57,7 @@ def _decode_while_warming(rag: Any, warm_rag: Any, docs: list[str], budget: int,
 @pytest.fixture
 def layer_log(monkeypatch):
     """'layer' in the returned list for every layer a sliced call (the warm's thread) computes."""
-    from kvboost_core import slices
+    from kvboost_core.model import slices
 
     log: list[str] = []
     own = slices.layer_done

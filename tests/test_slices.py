@@ -1,4 +1,4 @@
-"""SlicedCall: a call run on its own thread in slices, pausing between layers (kvboost_core.slices)."""
+"""SlicedCall: a call run on its own thread in slices, pausing between layers (kvboost_core.model.slices)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kvboost_core import slices
-from kvboost_core.slices import SlicedCall
+from kvboost_core.model import slices
+from kvboost_core.model.slices import SlicedCall
 
 
 def _layers(n: int, rows: int, layers: int, log: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""Weight precision (kvboost_core.weights, issue #35): the packed fp16 linear equals a dequantize-then-matmul
+"""Weight precision (kvboost_core.model.weights, issue #35): the packed fp16 linear equals a dequantize-then-matmul
 reference, a row's result does not depend on the rows beside it, the engine keys its KV by precision, batched
 decode stays bitwise deterministic at fp16, and bad or impossible requests get a clear error."""
 
@@ -13,7 +13,7 @@ from test_invariant import _steps
 from kvboost_core import Segment
 from kvboost_core.config import EngineConfig
 from kvboost_core.engine import KVEngine
-from kvboost_core.weights import PackedLinear, fingerprint, pack, precision
+from kvboost_core.model.weights import PackedLinear, fingerprint, pack, precision
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
                                 reason="torch without FBGEMM")

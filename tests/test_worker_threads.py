@@ -43,7 +43,7 @@ from kvboost_rag.aio import run_blocking
 n, logits = asyncio.run(run_blocking(run))
 out["aio"], out["aio_equal"] = n, bool(torch.equal(logits, ref))
 
-from kvboost_core.driver import ModelDriver
+from kvboost_core.model.driver import ModelDriver
 from kvboost_rag.app.server.scheduler import Scheduler
 sched = Scheduler(ModelDriver.for_model(model), max_batch=1)  # built here, after --threads, as the server does
 sched.start()

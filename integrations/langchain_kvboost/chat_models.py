@@ -1,7 +1,7 @@
 """ChatKVBoost: a LangChain chat model over kvboost_rag.KVBoostRAG.
 
 Messages are rendered with the model's own chat template. Multi-turn history costs about the new message:
-each call is a chat turn (:mod:`kvboost_core.exact_history`). After the reply, the prompt and the reply are
+each call is a chat turn (:mod:`kvboost_core.engine.exact_history`). After the reply, the prompt and the reply are
 computed exactly in the background (a backfill), so the next turn (the same text plus the reply and a new
 message) finds its whole history as an exact prefix. Warmed documents inside messages are found and re-placed as
 in KVBoostLLM, but only after the last AI message: the history is always exact, whether it comes from the

@@ -5,4 +5,7 @@
   prefill (Block-Attention style), and :mod:`.block_prefill` (that prefill, the independent reference
   construction), :mod:`.block_links` (link slots after each document, trained but not served yet);
 - :mod:`.lora_file`: the one file format both kinds are saved in.
+
+Imports: :mod:`kvboost_core.model` and the flat modules; never the engine shell (:mod:`kvboost_core.engine`),
+:mod:`kvboost_core.serving` or :mod:`kvboost_core.tuning` (``tests/test_layout.py``).
 """

@@ -129,7 +129,7 @@ class BlockAdapter:
     def base_weights(self) -> Iterator[None]:
         """Run the base model inside the block (the reference accuracy is compared against). Not while the
         engine serves other requests: the weights are swapped in place."""
-        from kvboost_core.weights import precision
+        from kvboost_core.model.weights import precision
 
         if precision(self.model) != "fp32":  # the merged fp32 layers were replaced: swapping them would do nothing
             raise ValueError("the base model inside a block adapter swaps fp32 weights in place; this engine holds "

@@ -203,7 +203,7 @@ def block_greedy(model: Any, ids: Sequence[int], runs: Sequence[Run], lead: Sequ
                  eos: set[int], encoded: dict | None = None, links: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, list[int]]:
     """First-token logits and the greedy continuation of ``ids`` under block attention, decoded on HF's cache."""
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     logits, cache = block_forward(model, ids, runs, lead, encoded=encoded, links=links)
     first = logits[-1]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core.driver import output_cache
+from kvboost_core.model.driver import output_cache
 from kvboost_core.segments import Segment
 
 

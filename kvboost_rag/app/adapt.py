@@ -50,7 +50,7 @@ def teacher(model: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) 
     """The base model's greedy answer after a full prefill of ``ids`` and its log-probs at each step."""
     import torch
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     with torch.no_grad():
         out = model(input_ids=torch.tensor([list(ids)]), use_cache=True, logits_to_keep=1)

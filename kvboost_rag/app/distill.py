@@ -81,7 +81,7 @@ def teacher_target(model: Any, ids: Sequence[int], runs: Sequence[Run], max_new_
     states at every tail row (one prefill and one decode step per answer token)."""
     import torch
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     tail = tail_start(runs)
     if not 0 < tail < len(ids):

@@ -40,7 +40,7 @@ class ExactPrefixCache:
     def first_token(self, ids: list[int]) -> tuple[float, int]:
         import torch
 
-        from kvboost_core.driver import output_cache
+        from kvboost_core.model.driver import output_cache
 
         best_n, best = longest_prefix(self.entries, ids)
         best_n = min(best_n, len(ids) - 1)  # the last token is always computed: its logits are the output

@@ -6,7 +6,7 @@ method decodes exactly ``new_tokens`` greedy tokens with EOS masked, so all deco
 
 - ``hf``: plain HF in fp32 (a full prefill, then greedy steps on HF's own cache);
 - ``kvboost_fp32`` / ``kvboost_fp16``: ``KVBoostRAG.generate`` at SmolLM2's defaults over documents warmed
-  beforehand (``weights="fp32"`` / ``"fp16"``, :mod:`kvboost_core.weights`); ``total_s`` is the answer end to end;
+  beforehand (``weights="fp32"`` / ``"fp16"``, :mod:`kvboost_core.model.weights`); ``total_s`` is the answer end to end;
 - ``llamacpp``: llama-cpp-python on the GGUF the zoo converts the model from (Q4_1 for SmolLM2), fed the ids.
 
 Decode tokens/s = (new_tokens - 1) / (time after the first token). Also the server's batched decoder in
@@ -53,7 +53,7 @@ def hf_decode(model: Any, ids: Sequence[int], new: int, eos: Sequence[int]) -> d
     """Plain HF greedy, EOS masked: TTFT, the time after the first token, the tokens."""
     import torch
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     banned = torch.tensor(sorted(eos), dtype=torch.long)
     with torch.inference_mode():
@@ -154,7 +154,7 @@ def batched_steps(engine: Any, context: int, batches: Sequence[int], steps: int 
     """Decode-step throughput of the server's batched decoder (deterministic, as served) in process: ``b`` rows
     over a ``context``-token prompt each, tokens/s = b / step time (median of ``steps``)."""
     from kvboost_core import Segment
-    from kvboost_core.batch import BatchedDecoder, prefill
+    from kvboost_core.serving.batch import BatchedDecoder, prefill
 
     pre = prefill(engine, [Segment(token_ids=[5] * context)], store_prefix=False)
     rows = []

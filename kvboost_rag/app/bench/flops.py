@@ -76,7 +76,7 @@ class PrefillFlops:
 
 
 def trace_flops(shape: Shape, traces: Sequence[Any]) -> PrefillFlops:
-    """FLOPs of the planned forwards in ``traces`` (kvboost_core.forward.ForwardTrace, recorded with
+    """FLOPs of the planned forwards in ``traces`` (kvboost_core.model.forward.ForwardTrace, recorded with
     ``record_traces``); the LM head is counted once (the prefill's last position)."""
     ideal = implemented = shape.head_flops
     for tr in traces:

@@ -43,7 +43,7 @@ RETRIEVE_TURNS = (1, 4, 7)  # turns that retrieve new documents; the others foll
 # kvboost variants: EngineConfig overrides on top of the model's shipped settings
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "backfill": {"backfill": True},  # exact history (kvboost_core.backfill)
+    "backfill": {"backfill": True},  # exact history (kvboost_core.serving.backfill)
     "block+backfill": {"backfill": True, "block_adapter": "shipped"},  # documents at repair="none"
 }
 
@@ -142,7 +142,7 @@ def _hf_answer(model: Any, tokenizer: Any, ids: list[int], max_new: int, eos: se
     """HF's greedy reference, and its cache over the prompt and every generated token but the last."""
     import torch
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
     from kvboost_rag.app.bench.rag import hf_greedy
 
     ref = hf_greedy(model, tokenizer, ids, max_new, eos)

@@ -1,5 +1,5 @@
 """Fidelity of a weight precision (issue #35, item 5): the same RAG prompts through plain HF on the fp32 model
-(the reference) and on the same model held at ``--weights`` (:mod:`kvboost_core.weights`), side by side.
+(the reference) and on the same model held at ``--weights`` (:mod:`kvboost_core.model.weights`), side by side.
 
 Per question (``--split``, ``k`` documents, ``apply_chat_template``'s ids): each model's full prefill and greedy
 answer (up to ``--max-new-tokens``, stopping at EOS). Reported: RAG accuracy of both with the paired bootstrap
@@ -30,7 +30,7 @@ def compare(model: str, weights: str, split: str, k: int, max_new: int, limit: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvboost_core import zoo
-    from kvboost_core.weights import pack
+    from kvboost_core.model.weights import pack
     from kvboost_rag.app import rag_corpus as rc
     from kvboost_rag.app.bench.rag import hf_greedy
     from kvboost_rag.app.bench.stats import paired_accuracy

@@ -75,7 +75,7 @@ def hf_greedy(model: Any, tokenizer: Any, ids: Sequence[int], max_new_tokens: in
     """Plain HF: a full prefill of ``ids`` (logits of the last position only), then greedy steps on HF's cache."""
     import torch
 
-    from kvboost_core.driver import output_cache
+    from kvboost_core.model.driver import output_cache
 
     with torch.inference_mode():
         t0 = time.perf_counter()

@@ -47,7 +47,7 @@ def _reuse_kwargs(method: str) -> dict[str, Any]:
 
 
 def _block_rows() -> int:
-    from kvboost_core import attention
+    from kvboost_core.model import attention
 
     return attention.BLOCK_ROWS
 
@@ -74,7 +74,7 @@ def workload_a(engine: Any, sizes: list[int], rounds: int, doc_tokens: int, ques
     import torch
 
     from kvboost_core import Segment
-    from kvboost_core.forward import record_traces
+    from kvboost_core.model.forward import record_traces
     from kvboost_rag.app.bench.peer import load_peer, peer_chunk_size, summarize
 
     rng = random.Random(seed)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.block_rows is not None:
-        from kvboost_core import attention
+        from kvboost_core.model import attention
 
         attention.BLOCK_ROWS = args.block_rows
     if args.device.startswith("cuda") and not torch.cuda.is_available():

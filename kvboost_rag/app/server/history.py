@@ -1,7 +1,7 @@
 """Exact chat history through the server (issue 33): a chat completion is a chat turn, and its prompt and answer
 are backfilled for the chat's next request.
 
-The rule is the in-process one (:mod:`kvboost_core.exact_history`): everything before the prompt's last user
+The rule is the in-process one (:mod:`kvboost_core.engine.exact_history`): everything before the prompt's last user
 turn (up to the end of its last assistant message) is history, and the history is never re-placed. Its KV is
 the exact full-attention prefill in canonical chunks, read from the store where a backfill put it and computed
 now where none did, bitwise the same either way. So a request's output still depends only on its messages and
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost_core.backfill import MAX_PENDING, MAX_PENDING_TOKENS, BackfillJob, step_ends
+from kvboost_core.serving.backfill import MAX_PENDING, MAX_PENDING_TOKENS, BackfillJob, step_ends
 
 log = logging.getLogger("kvboost_rag.app.server")
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from kvboost_core import CacheCounts
-from kvboost_core.batch import BatchSlot
 from kvboost_core.decode import SamplingParams, TextStream
+from kvboost_core.serving.batch import BatchSlot
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,10 @@ for every running request.
 Chunked prefill (``prefill_chunk`` tokens, ``--prefill-chunk``): a prompt's head (everything before its first
 re-placed document, e.g. all of a long cold prompt but its last chunk) is computed about ``prefill_chunk``
 tokens per iteration, and the rest in one more, so the running requests wait for one piece between two tokens,
-not for a whole prefill. Pieces are whole canonical chunks (kvboost_core.canonical), so splitting changes no
+not for a whole prefill. Pieces are whole canonical chunks (kvboost_core.serving.canonical), so splitting changes no
 bit of any output. ``prefill_chunk=None`` prefills a prompt in one iteration. A request leaves at
 EOS, at a stop string, at its token limit, or when its client goes away (``cancel``). ``deterministic``
-(``--deterministic``, default) keeps a request's logits independent of the batch (kvboost_core.batch).
+(``--deterministic``, default) keeps a request's logits independent of the batch (kvboost_core.serving.batch).
 
 All model work happens on this one thread, so the engines (one per namespace, sharing the model) are never
 driven concurrently. Requests talk to their HTTP handler through ``emit(kind, payload)``, which the handler
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from kvboost_core import cache_counts
-from kvboost_core.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
 from kvboost_core.decode import BadLogits, TextStream, next_piece, sample
+from kvboost_core.serving.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
 from kvboost_rag.aio import thread_setting
 from kvboost_rag.app.server.history import TurnBackfills
 from kvboost_rag.app.server.protocol import APIError

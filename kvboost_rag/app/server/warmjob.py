@@ -4,7 +4,7 @@ streams wait for one slice between two tokens rather than for the whole warm.
 
 Why: the whole request used to run as one task on the engine thread; 6 documents (967 tokens) stalled every
 running stream for 115 s. ``KVEngine.warm`` computes a document in one forward pass, so the job runs the warm
-as a :class:`kvboost_core.slices.SlicedCall`: on its own thread, only while the engine thread waits for it, and
+as a :class:`kvboost_core.model.slices.SlicedCall`: on its own thread, only while the engine thread waits for it, and
 pausing between two layers once the budget is spent (a layer over ``n`` tokens of an ``L``-layer model counts
 ``n / L``). The forward itself is unchanged, so the stored KV is bit for bit what an in-process warm stores,
 and a slice is as short as one layer of one document. Request limits (documents, bytes) are checked by the
@@ -19,8 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvboost_core import slices
-from kvboost_core.slices import SlicedCall
+from kvboost_core.model import slices
+from kvboost_core.model.slices import SlicedCall
 from kvboost_rag.app.server.protocol import APIError
 
 

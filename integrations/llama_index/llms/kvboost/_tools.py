@@ -62,7 +62,7 @@ def chat_history(rag: Any, messages: Sequence[ChatMessage], tools: list[dict[str
                  messages_to_prompt: Any = None) -> str:
     """A chat call's history: the messages up to the last assistant message, rendered as the prompt is (by the
     chat template, or by ``messages_to_prompt`` when one is set); "" before the first answer. It is exact, and
-    the reply is backfilled for the next turn (kvboost_core.exact_history)."""
+    the reply is backfilled for the next turn (kvboost_core.engine.exact_history)."""
     if messages_to_prompt is not None:
         last = max((i for i, m in enumerate(messages) if m.role == MessageRole.ASSISTANT), default=-1)
         return str(messages_to_prompt(messages[: last + 1])) if last >= 0 else ""

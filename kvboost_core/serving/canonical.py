@@ -19,7 +19,7 @@ prefix hits are not used. With ``kv_bits`` set, a computed canonical chunk is qu
 it is used, exactly as a stored one would be served.
 
 A chat's history (``exact_before``: the prompt up to the end of its last assistant message, see
-:mod:`kvboost_core.exact_history`) is never re-placed: its documents are computed like any other head token, so
+:mod:`kvboost_core.engine.exact_history`) is never re-placed: its documents are computed like any other head token, so
 the history's KV is the exact full-attention prefill in canonical chunks, bitwise the same whether a backfill
 stored them or the prompt computes them now.
 
@@ -46,9 +46,9 @@ from kvboost_core.assembly import (
     lookup,
     place,
 )
-from kvboost_core.driver import ScatterCache
-from kvboost_core.forward import Schedule, run_forward
 from kvboost_core.keys import CacheKey, kv_precision, prefix_key, root_key
+from kvboost_core.model.driver import ScatterCache
+from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult
 from kvboost_core.segments import TokenizedSegment

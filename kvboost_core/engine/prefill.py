@@ -25,11 +25,11 @@ from kvboost_core.assembly import (
     plan_chunks,
 )
 from kvboost_core.call_options import call_options
-from kvboost_core.driver import ScatterCache
-from kvboost_core.engine_base import EngineBase
-from kvboost_core.forward import Schedule, run_forward
+from kvboost_core.engine.base import EngineBase
 from kvboost_core.keys import kv_precision
 from kvboost_core.kv_encode import maybe_quantize
+from kvboost_core.model.driver import ScatterCache
+from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.repair import RepairSpec, build_schedule
 from kvboost_core.results import AssembledCache, PrefillResult, PrefillStats
 from kvboost_core.segments import TokenizedSegment

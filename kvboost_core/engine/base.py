@@ -1,9 +1,10 @@
 """What every stage of the engine reads: its state, set once by ``KVEngine.__init__``, and the prompt's tokens.
 
 The engine is one class assembled from one module per stage, each a mixin over this base:
-:mod:`kvboost_core.prefill` (lookup, place, forward, stats, store the prefix), :mod:`kvboost_core.warming`
-(documents' KV), :mod:`kvboost_core.generation` (the decode loop) and :mod:`kvboost_core.engine` (construction,
-loading, introspection). The attributes below are declared here so each stage is type-checked against them.
+:mod:`kvboost_core.engine.prefill` (lookup, place, forward, stats, store the prefix),
+:mod:`kvboost_core.engine.warming` (documents' KV), :mod:`kvboost_core.engine.generation` (the decode loop) and
+:mod:`kvboost_core.engine.kvengine` (construction, loading, introspection). The attributes below are declared here
+so each stage is type-checked against them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from kvboost_core.config import EngineConfig
 from kvboost_core.segments import TokenizedSegment, check_vocab, normalize_prompt, tokenize_segments
 
 if TYPE_CHECKING:
-    from kvboost_core.backfill import Backfiller, FollowUps
-    from kvboost_core.driver import ModelDriver
     from kvboost_core.keys import Fingerprint
+    from kvboost_core.model.driver import ModelDriver
     from kvboost_core.results import Counters
+    from kvboost_core.serving.backfill import Backfiller, FollowUps
     from kvboost_core.store import KVStore
     from kvboost_core.tuning.autocalib import FirstUse
 
@@ -46,8 +47,8 @@ class EngineBase:
     _counters: Counters
     _eos: frozenset[int]
     _first_use: FirstUse
-    _backfill: Backfiller  # exact history (kvboost_core.backfill)
-    _follow_ups: FollowUps  # backfill="auto" (kvboost_core.backfill)
+    _backfill: Backfiller  # exact history (kvboost_core.serving.backfill)
+    _follow_ups: FollowUps  # backfill="auto" (kvboost_core.serving.backfill)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -1,5 +1,5 @@
 """Warming: each document's KV computed once, after the warm prefix, and stored per chunk as content entries
-that a later prefill re-places at any position (:mod:`kvboost_core.prefill`)."""
+that a later prefill re-places at any position (:mod:`kvboost_core.engine.prefill`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from kvboost_core.forward import Schedule, run_forward
+from kvboost_core.engine.prefill import PrefillMixin
 from kvboost_core.keys import content_key, kv_precision
-from kvboost_core.prefill import PrefillMixin
+from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.results import WarmResult
 from kvboost_core.segments import Segment, check_vocab, normalize_prompt
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost_core import attention
+from kvboost_core.model import attention
 
 ROW_TILE = 8  # linears run on tiles of exactly this many rows
 
@@ -60,7 +60,7 @@ def row_tiled(modules: list[torch.nn.Linear]) -> Iterator[None]:
 @contextlib.contextmanager
 def rowwise_attention(config: Any, lengths: Sequence[int]) -> Iterator[None]:
     """Within the block, the attention of the model with ``config`` runs row by row, row ``i`` on its first
-    ``lengths[i]`` keys (its mask sliced to match). The wrapper lives in :mod:`kvboost_core.attention` (shared
+    ``lengths[i]`` keys (its mask sliced to match). The wrapper lives in :mod:`kvboost_core.model.attention` (shared
     with the planned forward's block attention)."""
     with attention.switched(config), attention.rows(lengths):
         yield

@@ -51,7 +51,7 @@ class BackfillJob:
     token_ids: tuple[int, ...]
     chunks: tuple[Chunk, ...]
     prompt_len: int = -1  # tokens of the prompt it was generated from (-1: all of token_ids)
-    # True: stored as canonical chunks (kvboost_core.canonical), which a chat call's history reads; False: as
+    # True: stored as canonical chunks (kvboost_core.serving.canonical), which a chat call's history reads; False: as
     # the engine's ordinary prefix entries, which other calls read
     canonical: bool = False
 

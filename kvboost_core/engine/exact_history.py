@@ -1,9 +1,9 @@
-"""The engine's exact-history stage (see :mod:`kvboost_core.backfill`): the background thread's step, the
+"""The engine's exact-history stage (see :mod:`kvboost_core.serving.backfill`): the background thread's step, the
 public ``backfill``/``wait_backfill``, and a chat call's prefill.
 
 A chat call (``history_tokens=h``: the skins' chat calls pass the length of the prompt up to the end of its last
 assistant message) follows one rule: the history ``[0, h)`` is never re-placed. Its KV is the exact
-full-attention prefill in canonical chunks (:mod:`kvboost_core.canonical`): each chunk one forward over the
+full-attention prefill in canonical chunks (:mod:`kvboost_core.serving.canonical`): each chunk one forward over the
 canonical KV before it, so it is bitwise the same whether it comes from the store (a backfill put it there) or
 is computed now. Warmed documents are re-placed only after ``h`` (the new turn: turn 1's system and user
 messages, a later turn's new question and tool results), planned from the warmed documents alone. A chat
@@ -20,14 +20,14 @@ from dataclasses import replace
 from typing import Any
 
 from kvboost_core.assembly import plan_chunks
-from kvboost_core.backfill import BackfillJob, BackfillResult, conversation_job, run_job
 from kvboost_core.call_options import check_history_tokens, repair_spec
-from kvboost_core.canonical import CanonicalJob
-from kvboost_core.driver import ScatterCache
-from kvboost_core.prefill import PrefillMixin
+from kvboost_core.engine.prefill import PrefillMixin
+from kvboost_core.model.driver import ScatterCache
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult
 from kvboost_core.segments import Segment, TokenizedSegment, check_vocab
+from kvboost_core.serving.backfill import BackfillJob, BackfillResult, conversation_job, run_job
+from kvboost_core.serving.canonical import CanonicalJob
 
 __all__ = ["BackfillMixin", "check_history_tokens"]  # check_history_tokens: kvboost_core.call_options
 
@@ -115,7 +115,7 @@ class BackfillMixin(PrefillMixin):
 
     def backfill_step(self, job: BackfillJob, end: int) -> tuple[int, int]:
         """One slice of ``job`` for a caller that schedules backfills itself (the server, between requests): its
-        prefix ``[0, end)`` (``end`` a chunk end, see :func:`kvboost_core.backfill.step_ends`) exact in the
+        prefix ``[0, end)`` (``end`` a chunk end, see :func:`kvboost_core.serving.backfill.step_ends`) exact in the
         store, computed where not stored yet. Returns (tokens found stored, tokens computed)."""
         if not self.config.store_prefix or self.driver.no_reuse:
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")

@@ -9,7 +9,7 @@ stream waits for at most one slice (about ``budget`` token-layers / layers) betw
 
 The two threads never run model code at the same time: :meth:`SlicedCall.step` blocks its caller until the
 slice pauses or the call ends. The pause points are :func:`layer_done` calls, which
-:func:`kvboost_core.forward.run_forward` makes after every layer; on any thread without a sliced call they do
+:func:`kvboost_core.model.forward.run_forward` makes after every layer; on any thread without a sliced call they do
 nothing. A call that reaches no pause point (a model without layer-wise forwards) runs whole in one step.
 """
 

@@ -20,7 +20,7 @@ Design choices, and why:
   decoder (and the LM head) runs on fixed tiles of ``ROW_TILE`` rows, and attention runs once per row on the
   row's own keys ``[0, pos_i]`` (the fused attention kernel splits its work differently when the batch is
   small for the thread count: at 2 threads a row alone got other bits than in a batch). Why and what was measured:
-  kvboost_core/invariant.py. Checked end to end in tests/test_server_determinism.py (a request alone vs
+  kvboost_core/serving/invariant.py. Checked end to end in tests/test_server_determinism.py (a request alone vs
   after others vs in a batch, bitwise, at 1 and 2 threads). Quantized linear subclasses are left as they are
   (not covered). ``deterministic=False`` turns both off for raw speed: one batched call per linear and per
   attention, so a row's last bits (and, rarely, a greedy token) may then depend on its neighbours.
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention
-from kvboost_core.backfill import BackfillJob, conversation_job
-from kvboost_core.driver import ModelDriver
-from kvboost_core.invariant import row_tiled, rowwise_attention
+from kvboost_core.model import attention
+from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import PrefillResult
+from kvboost_core.serving.backfill import BackfillJob, conversation_job
+from kvboost_core.serving.invariant import row_tiled, rowwise_attention
 from kvboost_core.stages import EngineStages
 
 _HEADROOM = 512  # slots allocated past a joining request's prompt before the buffers must grow
@@ -131,15 +131,15 @@ def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool
                   select: str | None = None, check_layer: int | None = None,
                   history_tokens: int | None = None) -> PrefillTask:
     """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
-    :class:`kvboost_core.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
+    :class:`kvboost_core.serving.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
     only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers.
 
-    ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.exact_history`: the prompt's
+    ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.engine.exact_history`: the prompt's
     first ``h`` tokens (up to the end of its last assistant message) are never re-placed; their KV is the exact
     canonical prefill, read from the store where a backfill (:meth:`PrefillTask.turn_job`) put it. On an engine
     whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill."""
     from kvboost_core.call_options import check_history_tokens, repair_spec
-    from kvboost_core.canonical import CanonicalJob
+    from kvboost_core.serving.canonical import CanonicalJob
 
     check_history_tokens(history_tokens)
     spec = repair_spec(engine.config, engine.driver.num_layers, repair=repair, recompute_ratio=recompute_ratio,

@@ -1,4 +1,4 @@
-"""Generation: prefill (:mod:`kvboost_core.prefill`), then the decode loop, as a whole result or a text stream."""
+"""Generation: prefill (:mod:`kvboost_core.engine.prefill`), then the decode loop, as a whole result or a text stream."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from kvboost_core.backfill import FOLLOW_UP_WAIT_S, conversation_job
 from kvboost_core.call_options import CallOptions, call_options
 from kvboost_core.decode import (
     LogitsProcessor,
@@ -20,10 +19,11 @@ from kvboost_core.decode import (
     next_piece,
     process_and_sample,
 )
-from kvboost_core.exact_history import BackfillMixin
-from kvboost_core.forward import decode_step
+from kvboost_core.engine.exact_history import BackfillMixin
+from kvboost_core.model.forward import decode_step
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import check_vocab
+from kvboost_core.serving.backfill import FOLLOW_UP_WAIT_S, conversation_job
 
 
 class GenerationStream:
@@ -76,7 +76,7 @@ class GenerationMixin(BackfillMixin):
         ``history_tokens=h`` makes it a chat call whose history is the prompt's first ``h`` tokens (up to the end
         of its last assistant message; 0 on a chat's first turn): the history is computed exactly, never
         re-placed, and the prompt and answer are backfilled for the next turn (see
-        :mod:`kvboost_core.exact_history`). None (default): a one-shot completion. ``turn_end``: the token ids
+        :mod:`kvboost_core.engine.exact_history`). None (default): a one-shot completion. ``turn_end``: the token ids
         the chat template writes after an assistant message (``<|im_end|>\n``), so the backfill holds the next
         turn's history as it will be rendered."""
         holder: dict[str, GenerationResult] = {}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention
+from kvboost_core.model import attention
 from kvboost_core.rope import RopeSupport, rope_support
 
 # Families whose decoder layers follow the Llama contract (verified by tests against full prefill).

@@ -10,7 +10,7 @@ HF's decoder layers call the attention function registered under ``config._attn_
   (``enable_gqa``) instead of HF's ``repeat_kv`` copies. A dense (n, T) mask made every recomputed row read
   all T keys (about 1.4x a causal prefill's attention for 70% of the rows), SDPA converted the bool mask to
   float in every layer, and HF's sdpa path turned grouped-query attention off whenever a mask was passed.
-- row lengths set by :func:`kvboost_core.invariant.rowwise_attention` on this thread: one call per batch row on
+- row lengths set by :func:`kvboost_core.serving.invariant.rowwise_attention` on this thread: one call per batch row on
   the row's own keys (batch-invariant decode, see that module);
 - anything else (another thread using the same model, a plain HF forward): the base implementation as is.
 

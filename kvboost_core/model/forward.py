@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvboost_core import attention, replay, slices
-from kvboost_core.driver import ModelDriver, ScatterCache
+from kvboost_core.model import attention, replay, slices
+from kvboost_core.model.driver import ModelDriver, ScatterCache
 
 # score(fresh_k, cached_k, fresh_v, cached_v, positions) -> (n,) higher = recompute first
 Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,7 +69,7 @@ class ForwardTrace:
     replayed_tokens: int = 0
 
 
-# The check layer's kept rows read their Q/K/V projections from its scoring pass (kvboost_core.replay); False
+# The check layer's kept rows read their Q/K/V projections from its scoring pass (kvboost_core.model.replay); False
 # projects them again (the former behaviour, kept as the reference the tests compare with).
 REUSE_CHECK_PROJECTIONS = True
 _RECORD = threading.local()  # .traces: a list every run_forward on this thread appends its trace to

@@ -3,9 +3,10 @@
 Data flows one way: text → segments → tokens → chunks/keys → store lookups → assembled cache (placed and
 re-rotated) → repair (a compute schedule) → logits → decode.
 
-The engine is one class, one module per stage: :mod:`kvboost_core.engine_base` (state, tokenization),
-:mod:`kvboost_core.prefill`, :mod:`kvboost_core.warming`, :mod:`kvboost_core.generation`; this module constructs
-it (weights, adapters, the warm prefix, calibration) and answers questions about it (stats, verify, calibrate).
+The engine is one class, one module per stage: :mod:`kvboost_core.engine.base` (state, tokenization),
+:mod:`kvboost_core.engine.prefill`, :mod:`kvboost_core.engine.warming`, :mod:`kvboost_core.engine.generation`;
+this module constructs it (weights, adapters, the warm prefix, calibration) and answers questions about it
+(stats, verify, calibrate).
 """
 
 from __future__ import annotations
@@ -19,20 +20,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvboost_core import weights
-from kvboost_core.backfill import Backfiller, FollowUps
 from kvboost_core.chunking import boundary_predicate
 from kvboost_core.config import EngineConfig, validate_repair
-from kvboost_core.driver import ModelDriver
-from kvboost_core.generation import GenerationMixin, GenerationStream
+from kvboost_core.engine.generation import GenerationMixin, GenerationStream
+from kvboost_core.engine.warming import WarmMixin
 from kvboost_core.keys import Fingerprint, model_fingerprint
+from kvboost_core.model import weights
+from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import Counters
 from kvboost_core.segments import Segment, chat_head_text, check_utf8, check_vocab, lead_token_ids
+from kvboost_core.serving.backfill import Backfiller, FollowUps
 from kvboost_core.store import KVGeometry
 from kvboost_core.store.factory import build_store
 from kvboost_core.tuning.autocalib import FirstUse, load_cached
 from kvboost_core.tuning.autocalib import apply as apply_calibration
-from kvboost_core.warming import WarmMixin
 
 if TYPE_CHECKING:
     from kvboost_core.tuning.calibrate import Calibration
@@ -90,7 +91,7 @@ class KVEngine(GenerationMixin, WarmMixin):
         self._is_boundary = boundary_predicate(tokenizer)
         self._counters = Counters()
         self._eos = frozenset(self._eos_ids())
-        self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.backfill); idle until used
+        self._backfill = Backfiller(self._backfill_step)  # exact history (kvboost_core.serving.backfill); idle until used
         self._follow_ups = FollowUps()  # backfill="auto": which prompts continue an earlier one
         # calibration on first use (kvboost_core.tuning.autocalib): a cached result for this model applies at once
         self.calibration: dict[str, Any] | None = None
