@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvboost_core.lora.block_prefill import Run, delta_cos_sin, encode_batch, rerotate_keys
+from kvboost_core.model.attention import additive, visible
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +103,8 @@ def fused_block_hidden(model: Any, ids: Sequence[int], runs: Sequence[Run], lead
                                   links[torch.tensor(link_row, device=device)].to(embeds.dtype))
     key_pos = torch.cat((ppos, cpos))  # (P + C,)
     dtype = embeds.dtype
-    mask = torch.zeros(1, 1, len(cpos), len(key_pos), dtype=dtype, device=device)
-    mask.masked_fill_(key_pos.view(1, -1) > cpos.view(-1, 1), torch.finfo(dtype).min)
+    # (1, 1, C, P + C): the package's one causal rule, as the model's own eager masks write it
+    mask = additive(visible(cpos, key_pos, None), "eager", dtype)[None, None]
     out = model.model(inputs_embeds=embeds, position_ids=cpos.view(1, -1), attention_mask=mask, cache=cache,
                       use_cache=True)
     keep = cpos >= rows_from

@@ -281,7 +281,7 @@ def observer_attention(q_raw: torch.Tensor, keys: torch.Tensor, positions: torch
     groups = q.shape[0] // h_kv
     k = keys.float().repeat_interleave(groups, dim=0)  # (H, T, D)
     logits = q @ k.transpose(1, 2) / d**0.5  # (H, m, T)
-    causal = torch.arange(length, device=q.device).view(1, -1) <= positions[obs].view(-1, 1)  # (m, T)
+    causal = attention.visible(positions[obs], torch.arange(length, device=q.device), None)  # (m, T)
     logits = logits.masked_fill(~causal, float("-inf"))
     att = torch.softmax(logits, dim=-1).mean(dim=(0, 1))  # (T,)
     return att[candidates]
