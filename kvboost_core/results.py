@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -195,3 +196,15 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._c)
+
+
+def speedup_text(ttft_ratio: float) -> str:
+    """A reuse / full TTFT ratio in the docs' wording (``kvboost_rag.app.fmt.speedup``'s): full / reuse as
+    "N.NNx faster", or "N.NNx slower" when reuse took longer (it printed "0.86x faster"); "n/a" when unmeasured.
+    The direction is decided on the printed digits, so equal-looking ratios never read "1.00x slower"."""
+    if not (math.isfinite(ttft_ratio) and ttft_ratio > 0):
+        return "n/a"
+    faster = 1.0 / ttft_ratio
+    if faster >= 1.0 or f"{ttft_ratio:.2f}" == "1.00":
+        return f"{max(faster, 1.0):.2f}x faster"
+    return f"{ttft_ratio:.2f}x slower"

@@ -9,7 +9,6 @@ a full prefill timed side by side.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from kvboost_core.model.driver import output_cache
+from kvboost_core.results import speedup_text
 from kvboost_core.segments import Segment
 
 
@@ -81,18 +81,6 @@ class PromptFidelity:
     # (kvboost_core.lora.block_prefill); these compare the same output with the *base* model's full prefill
     base_kl: float | None = None
     base_top1_agree: float | None = None
-
-
-def speedup_text(ttft_ratio: float) -> str:
-    """A reuse / full TTFT ratio in the docs' wording (``kvboost_rag.app.fmt.speedup``'s): full / reuse as
-    "N.NNx faster", or "N.NNx slower" when reuse took longer (it printed "0.86x faster"); "n/a" when unmeasured.
-    The direction is decided on the printed digits, so equal-looking ratios never read "1.00x slower"."""
-    if not (math.isfinite(ttft_ratio) and ttft_ratio > 0):
-        return "n/a"
-    faster = 1.0 / ttft_ratio
-    if faster >= 1.0 or f"{ttft_ratio:.2f}" == "1.00":
-        return f"{max(faster, 1.0):.2f}x faster"
-    return f"{ttft_ratio:.2f}x slower"
 
 
 @dataclass(slots=True)

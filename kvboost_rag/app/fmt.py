@@ -20,11 +20,9 @@ def speedup(full_s: float, reuse_s: float) -> str:
             raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a finite duration > 0 seconds, got {value!r}")
-    ratio = full_s / reuse_s
-    slower = reuse_s / full_s
-    if ratio >= 1.0 or f"{slower:.2f}" == "1.00":  # the second: equal within the printed digits
-        return f"{max(ratio, 1.0):.2f}x faster"
-    return f"{slower:.2f}x slower"
+    from kvboost_core.results import speedup_text  # the one wording rule, the engine's verify table's too
+
+    return speedup_text(reuse_s / full_s)
 
 
 def ratio_speedup(ratio: float) -> str:
