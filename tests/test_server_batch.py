@@ -95,3 +95,24 @@ def test_batch_of_one_and_validation(tokenizer, tiny_llama):
     wide = BatchedDecoder(engine.driver, 8)
     wide.add(pre.result.cache.keys, pre.result.cache.values, n, n + 1)
     assert wide.nbytes * n == wide.used_bytes() * (n + 1)
+
+
+def test_prefill_options_are_one_checked_value(tokenizer, tiny_llama):
+    """The server's prefill takes the engine's per-call options as one CallOptions or as keywords checked into
+    one: the same KV either way, unknown names and bad values refused, never both forms at once."""
+    from kvboost_core.call_options import call_options
+
+    engine = KVEngine(tiny_llama, tokenizer)
+    engine.warm(CORPUS[:3])
+    prompt = [Segment(text=d, cacheable=True) for d in reversed(CORPUS[:3])] + [Segment(text=" who?")]
+    kw = {"repair": "cacheblend", "recompute_ratio": 0.5, "store_prefix": False}
+    by_kw = prefill(engine, prompt, **kw).result
+    by_value = prefill(engine, prompt, call_options(engine.config, engine.driver.num_layers, kw)).result
+    assert torch.equal(by_kw.last_logits, by_value.last_logits)
+    assert by_kw.stats.recomputed == by_value.stats.recomputed > 0
+    with pytest.raises(TypeError, match="not both"):
+        prefill(engine, prompt, call_options(engine.config, engine.driver.num_layers, {}), store_prefix=False)
+    with pytest.raises(TypeError, match="recompute_raito"):
+        prefill(engine, prompt, recompute_raito=0.5)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        prefill(engine, prompt, recompute_ratio=1.5)

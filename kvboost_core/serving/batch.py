@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvboost_core.call_options import CallOptions, call_options
 from kvboost_core.model import attention
 from kvboost_core.model.driver import ModelDriver
 from kvboost_core.results import PrefillResult
@@ -126,10 +127,7 @@ class _Finished:
         raise RuntimeError("PrefillTask.finish: the prefill is finished already")
 
 
-def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool | None = None,
-                  store_prefix: bool | None = None, repair: str | None = None, recompute_ratio: float | None = None,
-                  select: str | None = None, check_layer: int | None = None,
-                  history_tokens: int | None = None) -> PrefillTask:
+def start_prefill(engine: EngineStages, prompt: Any, options: CallOptions | None = None, **kw: Any) -> PrefillTask:
     """``engine``'s prefill (content lookup, placement, repair) of ``prompt`` through
     :class:`kvboost_core.serving.canonical.CanonicalJob`: the result depends on the prompt and the warmed documents
     only, never on earlier requests. Sized to the prompt alone: the batch copies the KV into its buffers.
@@ -137,14 +135,18 @@ def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool
     ``history_tokens=h`` makes it a chat turn, by the rule of :mod:`kvboost_core.engine.exact_history`: the prompt's
     first ``h`` tokens (up to the end of its last assistant message) are never re-placed; their KV is the exact
     canonical prefill, read from the store where a backfill (:meth:`PrefillTask.turn_job`) put it. On an engine
-    whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill."""
-    from kvboost_core.call_options import check_history_tokens, repair_spec
+    whose chat calls cannot take the canonical path (a reader or block adapter) it is an ordinary prefill.
+
+    The call's options come as one checked :class:`~kvboost_core.call_options.CallOptions` (``options``) or as
+    the engine's per-call keywords (``kw``: ``repair``, ``store_prefix``, ``history_tokens``...), checked here
+    into one; not both."""
     from kvboost_core.serving.canonical import CanonicalJob
 
-    check_history_tokens(history_tokens)
-    spec = repair_spec(engine.config, engine.driver.num_layers, repair=repair, recompute_ratio=recompute_ratio,
-                       select=select, check_layer=check_layer)
-    build = bool(engine.config.store_prefix if store_prefix is None else store_prefix)
+    if options is not None and kw:
+        raise TypeError(f"start_prefill takes options or keywords, not both (got {', '.join(sorted(kw))})")
+    opts = options if options is not None else call_options(engine.config, engine.driver.num_layers, kw)
+    spec, add_special_tokens, history_tokens = opts.spec, opts.add_special_tokens, opts.history_tokens
+    build = bool(engine.config.store_prefix if opts.store_prefix is None else opts.store_prefix)
     if history_tokens is None or not engine.chat_canonical():
         return PrefillTask(engine, CanonicalJob(engine, prompt, spec, add_special_tokens, build_blocks=build))
     prepared = engine.prompt_chunks(prompt, add_special_tokens)
@@ -155,9 +157,9 @@ def start_prefill(engine: EngineStages, prompt: Any, *, add_special_tokens: bool
     return PrefillTask(engine, job, prepared)
 
 
-def prefill(engine: EngineStages, prompt: Any, **kw: Any) -> Prefilled:
+def prefill(engine: EngineStages, prompt: Any, options: CallOptions | None = None, **kw: Any) -> Prefilled:
     """:func:`start_prefill` run to the end at once."""
-    return start_prefill(engine, prompt, **kw).finish()
+    return start_prefill(engine, prompt, options, **kw).finish()
 
 
 class _BatchCache:
