@@ -5,8 +5,9 @@ state and tokenization, :mod:`~kvboost_core.engine.prefill`: chunk, plan, place,
 :mod:`~kvboost_core.engine.warming`, :mod:`~kvboost_core.engine.generation`,
 :mod:`~kvboost_core.engine.exact_history`). The serving and tuning modules that drive those stages from outside
 (:mod:`~kvboost_core.serving.canonical`, :mod:`~kvboost_core.serving.batch`, :mod:`~kvboost_core.tuning.fidelity`,
-:mod:`~kvboost_core.tuning.autocalib`) take the engine as an :class:`EngineStages` and read nothing else of it: no
-private attribute (``tests/test_public_api.py`` checks the source), so what they depend on is this list.
+:mod:`~kvboost_core.tuning.autocalib`) take the engine as an :class:`EngineStages` (the tuning modules as a
+:class:`TuningEngine`, which adds the plain-HF reference and the public calls they measure) and read nothing else
+of it: no private attribute (``tests/test_public_api.py`` checks the source), so what they depend on is this list.
 
 Data flows one way through it: text -> :meth:`~EngineStages.prompt_chunks` (tokens, segments, chunks) -> a plan
 (:func:`kvboost_core.assembly.lookup` over :attr:`~EngineStages.store`) -> :meth:`~EngineStages.new_cache` +
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from kvboost_core.keys import Fingerprint
     from kvboost_core.model.driver import ModelDriver, ScatterCache
     from kvboost_core.repair import RepairSpec
-    from kvboost_core.results import AssembledCache, Counters, PrefillStats
+    from kvboost_core.results import AssembledCache, Counters, GenerationResult, PrefillResult, PrefillStats
     from kvboost_core.segments import TokenizedSegment
     from kvboost_core.store import KVBlock, KVStore
 
@@ -88,3 +89,25 @@ class EngineStages(Protocol):
                       ) -> PrefillStats:
         """What a prefill reused, recomputed and computed, by the one definition of each count."""
         ...
+
+
+class TuningEngine(EngineStages, Protocol):
+    """What the tuning modules (:mod:`~kvboost_core.tuning.fidelity`, :mod:`~kvboost_core.tuning.calibrate`,
+    :mod:`~kvboost_core.tuning.autocalib`) use besides the stages: the plain-HF reference they measure against,
+    the engine's public calls they measure, and where a calibration is recorded."""
+
+    config: EngineConfig  # settable: a calibration becomes the defaults of the calls that start after it
+    model: Any  # the HF model (plain HF forwards are the reference)
+    calibration: dict[str, Any] | None  # the applied calibration, as the engine reports it
+
+    def tokenize(self, prompt: Any, add_special_tokens: bool | None = None) -> list[TokenizedSegment]: ...
+
+    def full_prefill_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits of a plain HF full prefill of ``token_ids``."""
+        ...
+
+    def prefill(self, prompt: Any, *, repair: str | None = None, recompute_ratio: float | None = None,
+                check_layer: int | None = None, store_prefix: bool | None = None,
+                reuse_repaired: bool = True) -> PrefillResult: ...
+
+    def generate(self, prompt: Any, max_new_tokens: int = 256, **kw: Any) -> GenerationResult: ...

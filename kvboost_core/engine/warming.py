@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -15,6 +15,9 @@ from kvboost_core.keys import content_key, kv_precision
 from kvboost_core.model.forward import Schedule, run_forward
 from kvboost_core.results import WarmResult
 from kvboost_core.segments import Segment, check_vocab, normalize_prompt
+
+if TYPE_CHECKING:
+    from kvboost_core.stages import TuningEngine
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class WarmMixin(PrefillMixin):
             log.warning("kvboost: %d of %d documents were computed but not stored (the cache budget is full of "
                         "entries it may not evict); raise max_cache_bytes", not_stored, len(segments))
         self._counters.add(warmed_tokens=tokens)
-        self._first_use.observe(self, doc_ids)
+        self._first_use.observe(cast("TuningEngine", self), doc_ids)  # the assembled KVEngine is one
         return WarmResult(documents=len(segments), warmed=warmed, already_warm=already, chunks=chunks,
                           tokens=tokens, bytes=nbytes, seconds=time.perf_counter() - t0, doc_token_ids=doc_ids,
                           not_stored=not_stored)

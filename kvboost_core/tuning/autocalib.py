@@ -27,6 +27,7 @@ from typing import Any
 import xxhash
 
 from kvboost_core.segments import Segment
+from kvboost_core.stages import TuningEngine
 from kvboost_core.tuning.calibrate import Calibration, calibrate, grid
 
 log = logging.getLogger("kvboost_core.calibration")
@@ -68,7 +69,7 @@ def cache_dir() -> Path:
     return cache_root().parent / "calibration"
 
 
-def settings_key(engine: Any) -> str:
+def settings_key(engine: TuningEngine) -> str:
     """The model's fingerprint and every setting that changes what calibration measures."""
     c = engine.config
     shaping = {"fingerprint": engine.fingerprint, "warm_prefix": list(engine.warm_prefix_ids), "select": c.select,
@@ -78,7 +79,7 @@ def settings_key(engine: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(shaping, sort_keys=True).encode())
 
 
-def load_cached(engine: Any) -> Calibration | None:
+def load_cached(engine: TuningEngine) -> Calibration | None:
     """The cached calibration for this engine's model and settings; None if absent or unreadable."""
     path = cache_dir() / f"{settings_key(engine)}.json"
     try:
@@ -90,7 +91,7 @@ def load_cached(engine: Any) -> Calibration | None:
         return None
 
 
-def save_cached(engine: Any, cal: Calibration) -> Path | None:
+def save_cached(engine: TuningEngine, cal: Calibration) -> Path | None:
     """Atomic write; a read-only cache directory is logged, not raised (the calibration still applies)."""
     path = cache_dir() / f"{settings_key(engine)}.json"
     try:
@@ -105,7 +106,7 @@ def save_cached(engine: Any, cal: Calibration) -> Path | None:
         return None
 
 
-def apply(engine: Any, cal: Calibration, source: str) -> None:
+def apply(engine: TuningEngine, cal: Calibration, source: str) -> None:
     """Make ``cal``'s settings the engine's repair defaults, for the calls that start after this. A call already
     running (another thread's generate, a stream not exhausted yet) keeps the settings it started with: it built
     its RepairSpec once, at its start (:mod:`kvboost_core.call_options`), and reads no repair setting from the
@@ -126,7 +127,7 @@ class FirstUse:
         self.lock = threading.Lock()
         self.done = done
 
-    def observe(self, engine: Any, doc_ids: Sequence[Sequence[int]]) -> None:
+    def observe(self, engine: TuningEngine, doc_ids: Sequence[Sequence[int]]) -> None:
         """Called after each ``warm``: sample the documents, and calibrate once enough are warmed."""
         if len(self.docs) >= MAX_DOCS and self.done:
             return
@@ -144,7 +145,7 @@ class FirstUse:
             run(engine, self.docs, budget_s=engine.config.calibration_budget_s)
 
 
-def run(engine: Any, docs: Sequence[Sequence[int]], *, budget_s: float, prompts: Sequence[Any] | None = None,
+def run(engine: TuningEngine, docs: Sequence[Sequence[int]], *, budget_s: float, prompts: Sequence[Any] | None = None,
         max_kl: float = MAX_KL, min_top1: float = MIN_TOP1, save: bool = True) -> Calibration:
     """Calibrate ``engine`` on probe prompts from ``docs`` (or on ``prompts``), apply and cache the result."""
     probes = list(prompts) if prompts is not None else probe_prompts(docs, engine.warm_prefix_ids)

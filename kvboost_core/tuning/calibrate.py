@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvboost_core.stages import TuningEngine
 from kvboost_core.zoo import DEFAULTS_FILE  # re-exported: the file's name lives with the zoo
 
 log = logging.getLogger("kvboost_core.calibration")
@@ -84,7 +85,7 @@ def grid(num_layers: int, ratios: Sequence[float] = RATIOS, max_check_layer: int
     return sorted(pairs, key=lambda p: (cost(p[0], p[1], num_layers), p[0]))
 
 
-def calibrate(engine: Any, prompts: Sequence[Any], *, max_kl: float = 0.01, min_top1: float = 0.95,
+def calibrate(engine: TuningEngine, prompts: Sequence[Any], *, max_kl: float = 0.01, min_top1: float = 0.95,
               settings: Sequence[tuple[int, float]] | None = None, budget_s: float | None = None) -> Calibration:
     """Measure cacheblend against full prefill on ``prompts`` (documents warmed beforehand) for each setting,
     cheapest first; stop at the first with mean KL <= ``max_kl`` and top-1 agreement >= ``min_top1``.

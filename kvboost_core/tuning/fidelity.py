@@ -20,6 +20,7 @@ import torch
 from kvboost_core.model.driver import output_cache
 from kvboost_core.results import speedup_text
 from kvboost_core.segments import Segment
+from kvboost_core.stages import TuningEngine
 
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -51,7 +52,7 @@ def prefix_probe_prompts(ids: Sequence[int], n: int) -> list[list[int]]:
     return [list(ids[:k]) + [ids[(k * 13) % len(ids)]] for k in lengths]
 
 
-def exact_prefix_rows(engine: Any, prompts: Sequence[Sequence[int]]) -> list[ExactPrefixRow]:
+def exact_prefix_rows(engine: TuningEngine, prompts: Sequence[Sequence[int]]) -> list[ExactPrefixRow]:
     """Exact-prefix reuse against full prefill: each prompt's prefix (all but its last token) is prefilled and
     stored in ``engine``'s configuration (quantized when ``kv_bits`` is set), then the whole prompt is prefilled
     on top of it and its next-token logits are compared with a full prefill of the same ids."""
@@ -124,7 +125,7 @@ class FidelityReport:
 
 
 @torch.inference_mode()
-def _greedy_reference(engine: Any, ids: Sequence[int], n: int) -> tuple[list[int], float]:
+def _greedy_reference(engine: TuningEngine, ids: Sequence[int], n: int) -> tuple[list[int], float]:
     """Full-prefill greedy continuation through HF's own forward, and the timed prefill (TTFT) of it."""
     model = engine.model
     t0 = time.perf_counter()
@@ -155,7 +156,7 @@ def greedy_match(got: Sequence[int], ref: Sequence[int], eos: set[int] | frozens
     return first_div / len(ref)
 
 
-def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
+def verify(engine: TuningEngine, prompts: Sequence[Any], repairs: Sequence[str] = ("none", "selective", "cacheblend"),
            max_new_tokens: int = 16, **repair_kw: Any) -> FidelityReport:
     """Compare each strategy with a full prefill of the same ids. Nothing is stored as a side effect, and
     prefixes stored from earlier repaired calls are not served, so each strategy is measured on its own."""
@@ -193,7 +194,7 @@ def verify(engine: Any, prompts: Sequence[Any], repairs: Sequence[str] = ("none"
     return report
 
 
-def _block_reference(engine: Any, prompt: Any, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+def _block_reference(engine: TuningEngine, prompt: Any, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     """The adapted model's own block prefill of ``prompt`` through plain HF calls, and its greedy tokens."""
     from kvboost_core.lora.block_prefill import block_greedy, block_runs
 
