@@ -104,6 +104,17 @@ def test_every_kvboost_core_module_is_under_the_line_limit():
     assert over == [], "split by concept:\n" + "\n".join(over)
 
 
+def test_every_library_app_and_integration_module_is_under_the_line_limit():
+    """The same size rule for the RAG library, its application layer and the two integrations."""
+    over = []
+    for top in ("kvboost_rag", "integrations"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES:
+                over.append(f"{path.relative_to(ROOT).as_posix()}: {n} lines (limit {MAX_LINES})")
+    assert over == [], "split by concept:\n" + "\n".join(over)
+
+
 def test_the_exemptions_are_still_needed():
     for rel, (cap, why) in EXEMPT.items():
         n = len((ROOT / "kvboost_core" / rel).read_text().splitlines())
