@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import kvboost_core.engine.kvengine as engine_mod  # noqa: E402
+import kvboost_core.engine.prefill as engine_mod  # noqa: E402  # where the engine calls maybe_quantize
 from kvboost_core import KVEngine  # noqa: E402
 from kvboost_core.kv_encode import maybe_quantize  # noqa: E402
 from kvboost_core.quant import (  # noqa: E402
