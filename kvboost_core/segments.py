@@ -7,7 +7,7 @@ every prompt it appears in. That is what makes chunk keys stable across prompts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvboost_core.keys import CacheKey
@@ -151,3 +151,37 @@ def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[in
 
 __all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text", "check_utf8", "check_vocab",
            "lead_token_ids", "normalize_prompt", "tokenize_segments"]
+
+
+def cut_messages(segments: Sequence[TokenizedSegment], end: int,
+                 turn_end: Sequence[int] = ()) -> list[TokenizedSegment]:
+    """``segments`` with every text segment cut at ``end`` (a chat's history end) and after every occurrence of
+    ``turn_end`` (the ids a chat template writes after a message). Documents and the lead are never cut.
+
+    Why: a chat's history is chunked per message this way, so a message's chunks depend on its own ids and those
+    before it, never on what follows. The backfill after turn n and the history read of every later turn then cut
+    the same ids at the same places, and the backfill computes only what the turn added. Without ``turn_end``
+    only ``end`` cuts (a later turn's history then re-cuts the last message's chunk)."""
+    marker = tuple(turn_end)
+    out: list[TokenizedSegment] = []
+    for seg in segments:
+        ids = seg.token_ids
+        if seg.cacheable or seg.is_lead:
+            out.append(seg)
+            continue
+        cuts = {end - seg.start} if 0 < end - seg.start < len(ids) else set()
+        if marker:
+            n, first = len(marker), marker[0]
+            i = 0
+            while i + n <= len(ids):
+                if ids[i] == first and ids[i:i + n] == marker:
+                    cuts.add(i + n)
+                    i += n
+                else:
+                    i += 1
+        prev = 0
+        for c in [*sorted(c for c in cuts if 0 < c < len(ids)), len(ids)]:
+            src = seg.source_offset + prev if seg.source_ids is not None else seg.source_offset
+            out.append(replace(seg, token_ids=ids[prev:c], start=seg.start + prev, source_offset=src))
+            prev = c
+    return out

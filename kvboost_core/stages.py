@@ -64,8 +64,8 @@ class EngineStages(Protocol):
         """Chunk boundaries of a token sequence."""
         ...
 
-    def split_at(self, prepared: Prepared, history: int) -> Prepared:
-        """The prompt re-chunked so a chunk ends where a chat's history ends."""
+    def split_at(self, prepared: Prepared, history: int, turn_end: Sequence[int] = ()) -> Prepared:
+        """The prompt re-chunked per message: cut at ``history`` and after every ``turn_end``."""
         ...
 
     def chat_canonical(self) -> bool:

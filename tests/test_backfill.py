@@ -247,3 +247,22 @@ def test_wait_for_times_out_and_ignores_other_conversations():
     assert not bf.wait_for([1, 2, 3, 4, 5], timeout=0.2) and time.monotonic() - t0 >= 0.2
     release.set()
     assert bf.wait_for([1, 2, 3, 4, 5], timeout=10)
+
+
+def test_cut_messages_cuts_text_after_each_turn_end_up_to_the_end():
+    from kvboost_core.segments import cut_messages
+
+    lead = TokenizedSegment((1,), 0, cacheable=False, is_lead=True)
+    doc = TokenizedSegment((9, 8, 7, 7), 1, cacheable=True)  # a document holding the marker is never cut
+    text = TokenizedSegment((5, 7, 7, 6, 7, 7, 4, 3, 7, 7, 2), 5, cacheable=False, source_ids=(0, 5, 7, 7, 6),
+                            source_offset=1)
+    got = cut_messages([lead, doc, text], 5 + 10, (7, 7))
+    assert got[:2] == [lead, doc]
+    assert [(s.start, s.token_ids) for s in got[2:]] == [(5, (5, 7, 7)), (8, (6, 7, 7)), (11, (4, 3, 7, 7)),
+                                                        (15, (2,))]
+    assert [s.source_offset for s in got[2:]] == [1, 4, 7, 11]  # token i of a piece is source_ids[i + offset]
+    # `end` cuts inside a message too; without a marker only `end` cuts
+    assert [s.token_ids for s in cut_messages([text], 5 + 9, (7, 7))] == [(5, 7, 7), (6, 7, 7), (4, 3, 7),
+                                                                         (7,), (2,)]
+    assert [s.token_ids for s in cut_messages([text], 7, ())] == [(5, 7), (7, 6, 7, 7, 4, 3, 7, 7, 2)]
+    assert cut_messages([text], 0, ()) == [text]

@@ -196,3 +196,76 @@ def test_chat_kvboost_turn_two_history_is_exact_after_turn_one(backfill):
         assert stats[2]["reused_exact"] == stats[2]["chat_history_tokens"]
     else:
         assert second["cached_tokens"] < second["history"] // 2 and second["cached_tokens_approximate"] == 0
+
+
+# ---- a history cut per message (turn_end): each backfill computes only what its turn added ----
+
+def _marked_chat(eng, turns, marker, *, wait=True):
+    """A chat whose messages each end with ``marker`` (the ids a chat template writes after a message), run
+    with ``turn_end=marker``: each turn's (result, history tokens, the backfill job's tokens)."""
+    answers: list[list[int]] = []
+    out = []
+    for t in range(turns):
+        tail: list[int] = []
+        for q, a in zip(QUESTIONS * 3, answers):
+            tail += _ids(eng, q) + marker + a
+        history = len(tail)
+        tail += _ids(eng, (QUESTIONS * 3)[t]) + marker
+        segs = [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(token_ids=tail)]
+        doc_len = len(eng.tokenize_ids([Segment(text=d, cacheable=True) for d in DOCS]))
+        history = doc_len + history if answers else 0
+        res = eng.generate(segs, max_new_tokens=6, history_tokens=history, turn_end=marker)
+        if wait:
+            assert eng.wait_backfill(timeout=60)
+        answers.append(eng.turn_answer(res.token_ids, res.text, marker))
+        out.append((res, history, len(res.prompt_token_ids) + len(answers[-1])))
+    return out
+
+
+def test_a_follow_ups_backfill_computes_only_its_new_question_and_answer(tiny_llama, tokenizer):
+    """Issue 33: the backfill used to re-cut the last message's chunk (ending at the old history end) and compute
+    again everything from the last natural chunk boundary before it, up to a chunk more than the turn added.
+    Cut after every message, it finds the whole history the turn read, and computes only tokens after it."""
+    eng = _warmed(tiny_llama, tokenizer)
+    marker = _ids(eng, "\n##\n")
+    chat = _marked_chat(eng, 5, marker)
+    jobs = eng.backfill_results[-5:]
+    assert [j.tokens for j in jobs] == [n for _, _, n in chat] and all(j.complete for j in jobs)
+    for (res, history, _), job in zip(chat[1:], jobs[1:]):
+        assert res.stats["reused_exact"] == history and res.stats["reused_approx"] == 0
+        # the history the turn read is found whole (and the turn's own exact tail, stored by the call)
+        assert job.reused_exact >= history and job.computed == job.tokens - job.reused_exact
+    # the same chat without turn_end re-cuts: some follow-up's backfill computes more than its turn added
+    plain = _warmed(tiny_llama, tokenizer)
+    answers: list[list[int]] = []
+    extra = 0
+    for res, history, n in chat:
+        segs = [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(token_ids=res.prompt_token_ids[
+            len(plain.tokenize_ids([Segment(text=d, cacheable=True) for d in DOCS])):])]
+        got = plain.generate(segs, max_new_tokens=6, history_tokens=history)
+        assert plain.wait_backfill(timeout=60)
+        job = plain.backfill_results[-1]
+        if history:
+            extra += max(0, history - job.reused_exact)  # history tokens the backfill computed again
+        answers.append(got.token_ids)
+    assert extra > 0
+
+
+def test_turn_end_cuts_keep_the_output_bitwise_the_same_in_every_store_state(tiny_llama, tokenizer):
+    """With turn_end, a turn's output is the same whether its history comes from the store, from a cold
+    engine (computed now), or after the backfilled entries were evicted; and its logits are full prefill's."""
+    warm = _warmed(tiny_llama, tokenizer)
+    marker = _ids(warm, "\n##\n")
+    ref = _marked_chat(warm, 4, marker)
+    for res, history, _ in ref[1:]:
+        segs = [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(token_ids=res.prompt_token_ids[
+            len(warm.tokenize_ids([Segment(text=d, cacheable=True) for d in DOCS])):])]
+        cold = _warmed(tiny_llama, tokenizer, backfill=False)
+        _same(res, cold.generate(segs, max_new_tokens=6, history_tokens=history, turn_end=marker))
+        assert compare_logits(full_logits(tiny_llama, res.prompt_token_ids), res.first_logits)["max_abs_diff"] < 1e-4
+    warm.store.clear()
+    warm.warm(CORPUS[:5])
+    res, history, _ = ref[-1]
+    segs = [Segment(text=d, cacheable=True) for d in DOCS] + [Segment(token_ids=res.prompt_token_ids[
+        len(warm.tokenize_ids([Segment(text=d, cacheable=True) for d in DOCS])):])]
+    _same(res, warm.generate(segs, max_new_tokens=6, history_tokens=history, turn_end=marker, store_prefix=False))

@@ -75,9 +75,10 @@ def _turn(sched: Scheduler, rag: Any, messages: list[dict[str, str]]) -> tuple[s
 
 
 def _chat(demo: Any, docs: list[str], state: str, tmp: Path, *, namespace: str = "default",
-          store: Any = None) -> list[tuple[str, list[torch.Tensor], Any, int]]:
+          store: Any = None, backfilled: list[int] | None = None) -> list[tuple[str, list[torch.Tensor], Any, int]]:
     """A 4-turn RAG chat with the store in ``state`` before every turn from the second: (text, logits, Started,
-    history tokens) per turn. The history holds the answers this run gave."""
+    history tokens) per turn. The history holds the answers this run gave. ``backfilled``: gets the tokens the
+    backfills computed so far, before every turn from the second (``"warm"``)."""
     cfg = demo.config.with_(namespace=namespace, **({"store": store} if store is not None else {}))
     if state == "disk":
         cfg = cfg.with_(store=["memory", f"disk:{tmp}"])
@@ -102,6 +103,8 @@ def _chat(demo: Any, docs: list[str], state: str, tmp: Path, *, namespace: str =
                     rag = fresh()
                 elif state == "warm":
                     slices.run()
+                    if backfilled is not None:
+                        backfilled.append(sched.backfills.totals.tokens)
                 elif state == "mid":  # one slice into the previous turn's backfill
                     slices.run(1)
                     assert sched.backfills.pending == 1
@@ -155,6 +158,19 @@ def test_a_chat_is_bitwise_the_same_whatever_the_store_holds(runs: dict[str, Any
         for step, (a, b) in enumerate(zip(l0, l1)):
             assert torch.equal(a, b), (f"turn {turn + 1}, step {step}: {state} differs from cold "
                                        f"(max {float((a - b).abs().max()):.3g})")
+
+
+def test_a_follow_ups_backfill_computes_only_what_its_turn_added(demo: Any, docs: list[str],
+                                                                 tmp_path: Path) -> None:
+    """The history is cut after every message, as the next turn reads it: after turn 1's backfill (its whole
+    prompt and answer) each turn's backfill computes at most the tokens after the history it read. (Cut at the
+    history's end only, the backfill re-cut the last message's chunk and computed up to a chunk more.)"""
+    computed: list[int] = []
+    turns = _chat(demo, docs, "warm", tmp_path, backfilled=computed)
+    histories = [h for *_, h in turns]
+    assert len(computed) == 3 and computed[0] < histories[1]  # turn 1's job: what its call did not compute exactly
+    for t in (1, 2):  # turns 2 and 3: the job of turn t+1, read by turn t+2
+        assert 0 < computed[t] - computed[t - 1] <= histories[t + 1] - histories[t] + 2, t
 
 
 def test_turn_two_on_finds_its_history_cached(runs: dict[str, Any]) -> None:

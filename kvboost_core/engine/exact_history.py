@@ -25,7 +25,7 @@ from kvboost_core.engine.prefill import PrefillMixin
 from kvboost_core.model.driver import ScatterCache
 from kvboost_core.repair import RepairSpec
 from kvboost_core.results import PrefillResult
-from kvboost_core.segments import Segment, TokenizedSegment, check_vocab
+from kvboost_core.segments import Segment, TokenizedSegment, check_vocab, cut_messages
 from kvboost_core.serving.backfill import BackfillJob, BackfillResult, conversation_job, run_job
 from kvboost_core.serving.canonical import CanonicalJob
 
@@ -55,18 +55,12 @@ class BackfillMixin(PrefillMixin):
         return bool(self.config.backfill) and not self.driver.no_reuse and bool(
             self.config.store_prefix if store_prefix is None else store_prefix)
 
-    def split_at(self, prepared: Prepared, history: int) -> Prepared:
-        """The prompt's segments and chunks with a cut at ``history``: the history's last chunk ends where the
-        history ends, as the previous turn's backfill (the history alone, chunked the same way) stored it."""
+    def split_at(self, prepared: Prepared, history: int, turn_end: Sequence[int] = ()) -> Prepared:
+        """The prompt's segments and chunks cut per message (:func:`cut_messages`): at ``history`` and after every
+        ``turn_end``, as the earlier turns' backfills chunked the history and this turn's backfill will chunk the
+        rest (so the chunks this call computes exactly and stores are the ones that backfill looks up)."""
         segs, total, _ = prepared
-        out: list[TokenizedSegment] = []
-        for seg in segs:
-            k = history - seg.start
-            if 0 < k < len(seg.token_ids) and not (seg.cacheable or seg.is_lead):
-                out += [replace(seg, token_ids=seg.token_ids[:k]),
-                        replace(seg, token_ids=seg.token_ids[k:], start=history)]
-            else:
-                out.append(seg)
+        out = cut_messages(segs, history, turn_end)
         return (out, total, plan_chunks(out, self.spans)) if len(out) > len(segs) else prepared
 
     def turn_answer(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> list[int]:
@@ -80,10 +74,11 @@ class BackfillMixin(PrefillMixin):
         return [*ids, *turn_end]
 
     def _chat_prefill(self, prepared: Prepared, spec: RepairSpec, n_new: int, history: int,
-                      store_prefix: bool | None) -> tuple[PrefillResult, ScatterCache, list[tuple[Any, Any]]]:
+                      store_prefix: bool | None, turn_end: Sequence[int] = ()
+                      ) -> tuple[PrefillResult, ScatterCache, list[tuple[Any, Any]]]:
         """A chat call's prefill (the module docstring's rule): (result, cache with room for ``n_new`` more
         tokens, the computed canonical chunks to store)."""
-        prepared = self.split_at(prepared, history)
+        prepared = self.split_at(prepared, history, turn_end)
         total = prepared[1]
         ctx = self.driver.max_context or (total + n_new)
         enabled = bool(self.config.store_prefix if store_prefix is None else store_prefix)
@@ -124,9 +119,11 @@ class BackfillMixin(PrefillMixin):
         return self._backfill_step(job, end)
 
     def backfill(self, prompt: Any, generated: Sequence[int] = (), *,
-                 add_special_tokens: bool | None = None, chat: bool = False) -> BackfillResult:
+                 add_special_tokens: bool | None = None, chat: bool = False,
+                 turn_end: Sequence[int] = ()) -> BackfillResult:
         """Store the exact KV of ``prompt`` followed by ``generated`` token ids, now, in this thread.
-        ``chat=True``: as a chat call's history (canonical chunks: what a call with ``history_tokens`` reads).
+        ``chat=True``: as a chat call's history (canonical chunks: what a call with ``history_tokens`` reads),
+        cut after every ``turn_end`` as that call's ``turn_end`` cuts it (pass the same ids).
 
         The next prompt that continues this sequence (the next turn of a chat) then finds it as an exact prefix.
         Engines with ``backfill=True`` do this by themselves after every generation (``"auto"``, the default:
@@ -136,10 +133,13 @@ class BackfillMixin(PrefillMixin):
             raise ValueError("backfill needs an engine that stores prefixes (store_prefix=True) and reuses KV")
         gen = list(generated)
         check_vocab(gen, self._vocab, "generated")
+        check_history_tokens(None, turn_end)
+        check_vocab(list(turn_end), self._vocab, "turn_end")
         segs, total, chunks = self.prompt_chunks(prompt, add_special_tokens)
         self._check_context(total + len(gen))
         canonical = chat and self.chat_canonical()
-        return run_job(conversation_job(segs, chunks, gen, self.spans, canonical=canonical), self._backfill_step)
+        return run_job(conversation_job(segs, chunks, gen, self.spans, canonical=canonical,
+                                        turn_end=turn_end if canonical else ()), self._backfill_step)
 
     @property
     def backfill_results(self) -> tuple[BackfillResult, ...]:

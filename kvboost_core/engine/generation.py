@@ -118,7 +118,7 @@ class GenerationMixin(BackfillMixin):
             canonical = chat and self.chat_canonical()
             if canonical:
                 pre, cache, to_store = self._chat_prefill(prepared, spec, params.max_new_tokens, history_tokens or 0,
-                                                          store_prefix)
+                                                          store_prefix, turn_end)
             else:
                 pre, plan, cache = self._prefill(prompt, spec, params.max_new_tokens, add_special_tokens, t0,
                                                  prepared)
@@ -172,6 +172,6 @@ class GenerationMixin(BackfillMixin):
         if chat and self._chat_backfills(store_prefix):  # the next turn's history: prompt, answer, turn end
             answer = self.turn_answer(generated, text.text, turn_end)
             self._backfill.submit(conversation_job(prepared[0], prepared[2], answer, self.spans,
-                                                   canonical=canonical))
+                                                   canonical=canonical, turn_end=turn_end if canonical else ()))
         elif not chat and self._backfills(store_prefix, pre.token_ids):
             self._backfill.submit(conversation_job(prepared[0], plan.chunks, generated, self.spans))

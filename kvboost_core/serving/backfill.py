@@ -23,10 +23,10 @@ import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvboost_core.assembly import Chunk
-from kvboost_core.segments import TokenizedSegment
+from kvboost_core.assembly import Chunk, plan_chunks
+from kvboost_core.segments import TokenizedSegment, cut_messages
 
 log = logging.getLogger(__name__)
 
@@ -131,19 +131,32 @@ class BackfillResult:
 
 def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], generated: Sequence[int],
                      spans_of: Callable[[Sequence[int]], list[tuple[int, int]]], *,
-                     canonical: bool = False) -> BackfillJob:
+                     canonical: bool = False, turn_end: Sequence[int] = ()) -> BackfillJob:
     """The job for a prompt and what was generated after it, chunked as the next turn's prompt will be.
 
     A chat template continues the prompt's last text segment with the answer, so the generated tokens extend
     that segment and it is re-cut with the same rule (chunking depends only on the segment's ids, and a cut
     depends only on the tokens up to ``chunk_size + boundary_window`` after the chunk's start, so every full
     chunk matches the next prompt's; the last one is matched token by token by the lookup's partial rule).
-    After a document (cacheable) segment the generated tokens start a segment of their own."""
+    After a document (cacheable) segment the generated tokens start a segment of their own.
+
+    ``canonical`` with ``turn_end``: a chat's history, cut after every message (:func:`cut_messages`) as the next
+    turn's history read cuts it, so the chunks up to this turn's history are the ones it read (and stored), and
+    only the new question and answer are computed."""
     ids = [t for s in segments for t in s.token_ids]
     gen = list(generated)
     if not segments or not ids:
         raise ValueError("conversation_job needs a non-empty prompt")
     last = segments[-1]
+    if canonical and turn_end:
+        segs = list(segments)
+        if last.cacheable or last.is_lead:
+            segs += [TokenizedSegment(tuple(gen), len(ids), cacheable=False)] if gen else []
+        else:
+            segs[-1] = replace(last, token_ids=(*last.token_ids, *gen))
+        cut = cut_messages(segs, len(ids) + len(gen), turn_end)
+        return BackfillJob(token_ids=tuple(ids + gen), chunks=tuple(plan_chunks(cut, spans_of)),
+                           prompt_len=len(ids), canonical=True)
     if last.cacheable or last.is_lead:
         head = list(chunks)
         tail_start, tail_ids, seg_index = len(ids), gen, len(segments)

@@ -78,8 +78,8 @@ class PrefillTask:
     about ``budget`` more prompt-head tokens, :meth:`finish` the rest. Splitting never changes the result.
     ``turn``: the prompt's (segments, tokens, chunks) when it is a chat turn (see :meth:`turn_job`)."""
 
-    def __init__(self, engine: EngineStages, job: Any, turn: Any = None) -> None:
-        self._engine, self._job, self._turn = engine, job, turn
+    def __init__(self, engine: EngineStages, job: Any, turn: Any = None, turn_end: Sequence[int] = ()) -> None:
+        self._engine, self._job, self._turn, self._turn_end = engine, job, turn, tuple(turn_end)
 
     @property
     def is_turn(self) -> bool:
@@ -88,12 +88,16 @@ class PrefillTask:
 
     def turn_job(self, generated: Sequence[int], text: str, turn_end: Sequence[int]) -> BackfillJob:
         """The backfill that stores this turn's prompt and answer as the next turn's history reads it: canonical
-        chunks, chunked as the in-process chat call's backfill chunks them (so both read the same entries)."""
+        chunks cut after every message, as the in-process chat call's backfill cuts them (so both read the same
+        entries). ``turn_end`` must be the one the prefill cut the history with (``start_prefill``'s)."""
         if self._turn is None:
             raise RuntimeError("turn_job: this prefill is not a chat turn (start_prefill without history_tokens)")
+        if tuple(turn_end) != self._turn_end:
+            raise ValueError(f"turn_end {tuple(turn_end)!r} differs from the prefill's {self._turn_end!r}: the "
+                             "backfill would chunk the history apart from the next turn's read")
         segs, _, chunks = self._turn
         answer = self._engine.turn_answer(generated, text, turn_end)
-        return conversation_job(segs, chunks, answer, self._engine.spans, canonical=True)
+        return conversation_job(segs, chunks, answer, self._engine.spans, canonical=True, turn_end=turn_end)
 
     @property
     def n_prompt(self) -> int:
@@ -153,8 +157,9 @@ def start_prefill(engine: EngineStages, prompt: Any, options: CallOptions | None
     if history_tokens > prepared[1]:
         raise ValueError(f"history_tokens ({history_tokens}) is longer than the prompt ({prepared[1]} tokens)")
     job = CanonicalJob(engine, None, spec, None, build_blocks=build,
-                       prepared=engine.split_at(prepared, history_tokens), exact_before=history_tokens)
-    return PrefillTask(engine, job, prepared)
+                       prepared=engine.split_at(prepared, history_tokens, opts.turn_end),
+                       exact_before=history_tokens)
+    return PrefillTask(engine, job, prepared, opts.turn_end)
 
 
 def prefill(engine: EngineStages, prompt: Any, options: CallOptions | None = None, **kw: Any) -> Prefilled:

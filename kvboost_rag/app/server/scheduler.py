@@ -251,7 +251,7 @@ class Scheduler:
                 r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
             self._check_limits(r, n_prompt)
             task = r.task = start_prefill(r.rag.engine, plan.segments, add_special_tokens=False,
-                                          history_tokens=turn.get("history_tokens"))
+                                          history_tokens=turn.get("history_tokens"), turn_end=r.turn_end)
             if self.prefill_chunk is not None:
                 self._prefilling = (r, task)  # advanced piece by piece, between decode steps
                 return
