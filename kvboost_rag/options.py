@@ -29,9 +29,13 @@ class RAGOptions:
     separator: str = "\n\n"  # between explicit documents in the assembled prompt
     auto_warm: bool = False  # after a call, warm the documents it found unwarmed, so the next query reuses them
     miss_warning_interval_s: float = 60.0  # at most one warning about unwarmed documents per interval
+    # Chat turns computed exactly: the whole prompt is read as history (never re-placed), so answers are the full
+    # prefill's and the next turn waits for no backfill (only the answer is left to store). Turn 1 then costs a
+    # full prefill of its documents; the default re-places them (fast) and backfills the exact KV afterwards.
+    exact_turns: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("transparent", "preserve_order", "auto_warm"):
+        for name in ("transparent", "preserve_order", "auto_warm", "exact_turns"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.separator, str):

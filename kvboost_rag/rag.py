@@ -212,7 +212,9 @@ class KVBoostRAG:
             return {}
         if not isinstance(chat_history, str):
             raise TypeError(f"chat_history must be a str, got {type(chat_history).__name__}")
-        ids = self.engine.tokenize_ids(plan.segments, add_special_tokens=False)
+        ids = self.engine.tokenize_ids(plan.segments, add_special_tokens=False)  # the plan holds the lead
+        if self.options.exact_turns:  # the whole prompt is read as history: exact, nothing re-placed
+            return {"history_tokens": len(ids), "turn_end": self.chat_turn_end()}
         # the history's length in the prompt: the longest common prefix of the two (a template that renders a past
         # turn differently in the current prompt only shortens it)
         n = common_prefix(self.encode(chat_history, special), ids) if chat_history else 0

@@ -11,6 +11,8 @@ methods run one after another over whole conversations (never two at once), TTFT
   prefix of what it evaluated; the ids are fed as ids, and HF's answer is evaluated after each turn, off the
   clock, as if llama.cpp had decoded it. Its prompt-eval counters confirm the reuse (``evaluated`` tokens);
 - ``kvboost``: ``KVBoostRAG.generate`` as a chat turn (``chat_history``), the documents warmed first;
+- ``exact``: the same with ``exact_turns=True``: every turn computed exactly (no document re-placed), so a
+  follow-up waits for no backfill but turn 1 costs a full prefill;
 - ``server``: ``kvboost-rag serve`` in a subprocess on loopback, through the ``openai`` client, streamed.
 
 ``--think`` is the user's think time between turns: ``0`` (the next turn at once: a follow-up then waits for its
@@ -43,7 +45,9 @@ from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM
 from kvboost_rag.app.bench.turn_plot import finish_turn_figure
 from kvboost_rag.app.rag_corpus import questions_by_doc
 
-METHODS = ("hf", "llamacpp", "kvboost", "server")
+METHODS = ("hf", "llamacpp", "kvboost", "exact", "server")
+REUSE = ("kvboost", "exact", "server")  # the kvboost methods, as their result keys start
+LABELS = {"kvboost": "kvboost", "exact": "kvboost exact turns", "server": "server"}
 THINK = ("0", "backfill")
 ADD_DOC_TURNS = (4,)  # follow-ups that bring one new document
 
@@ -197,7 +201,7 @@ def summarize(rows: list[dict[str, Any]], thinks: list[str]) -> list[dict[str, A
         if ll:
             p["llamacpp"] = {"ttft_s": llama, "vs_hf": hf / llama if hf and llama else None,
                              "reused": med([x["reused"] for x in ll]), "top1": sum(x["top1"] for x in ll)}
-        for method in ("kvboost", "server"):
+        for method in REUSE:
             for think in thinks:
                 key = f"{method}_think_{think}"
                 xs = [r[key] for r in rs if r.get(key)]
@@ -226,13 +230,17 @@ def _cell(p: dict[str, Any], key: str) -> str:
         f", {speedup(x['vs_llamacpp'])} vs llama.cpp" if x.get("vs_llamacpp") else "")
 
 
+def _label(key: str, sep: str = ", think ") -> str:
+    """``exact_think_0`` -> ``kvboost exact turns, think 0``."""
+    method, think = key.split("_think_")
+    return f"{LABELS[method]}{sep}{think}"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The per-turn table: TTFT of each method, exact share, backfill CPU, speedups vs HF and llama.cpp."""
     pt, thinks = result["per_turn"], result["think"]
-    keys = [f"{m}_think_{t}" for t in thinks for m in ("kvboost", "server")
-            if any(f"{m}_think_{t}" in p for p in pt)]
-    head = ["turn", "tokens", "HF full prefill", "llama.cpp prefix reuse",
-            *[f"{k.split('_')[0]}, think {k.rsplit('_', 1)[1]}" for k in keys]]
+    keys = [f"{m}_think_{t}" for t in thinks for m in REUSE if any(f"{m}_think_{t}" in p for p in pt)]
+    head = ["turn", "tokens", "HF full prefill", "llama.cpp prefix reuse", *[_label(k) for k in keys]]
     rows = []
     for p in pt:
         ll = p.get("llamacpp")
@@ -243,10 +251,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     n = sum(p["conversations"] for p in pt)
     first = [f"llama.cpp {sum(p['llamacpp']['top1'] for p in pt)}/{n}"] if any("llamacpp" in p for p in pt) else []
-    first += [f"kvboost (think {k.rsplit('_', 1)[1]}) {sum(p[k]['top1'] for p in pt if k in p)}/{n}"
-              for k in keys if k.startswith("kvboost")]
-    whole = [f"{k.split('_')[0]} (think {k.rsplit('_', 1)[1]}) {sum(p[k]['same_answer'] for p in pt if k in p)}/{n}"
-             for k in keys]
+    first += [f"{_label(k, ' (think ')}) {sum(p[k]['top1'] for p in pt if k in p)}/{n}"
+              for k in keys if not k.startswith("server")]
+    whole = [f"{_label(k, ' (think ')}) {sum(p[k]['same_answer'] for p in pt if k in p)}/{n}" for k in keys]
     notes = [f"- Same first token as HF's greedy answer: {', '.join(first)}."] if first else []
     notes += [f"- Same whole answer as HF's: {', '.join(whole)}."] if whole else []
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows] + ([""] + notes if notes else []))
@@ -267,9 +274,9 @@ def plot(result: dict[str, Any], path: str) -> None:
                         label="llama.cpp prefix reuse")
         bx.plot(turns, [p.get("llamacpp", {}).get("reused") for p in pt], marker="o", color=line.get_color(),
                 label="llama.cpp (prefix reused)")
-    for key in (f"{m}_think_{t}" for t in result["think"] for m in ("kvboost", "server")):
+    for key in (f"{m}_think_{t}" for t in result["think"] for m in REUSE):
         if any(key in p for p in pt):
-            label = key.replace("_think_", ", think ")
+            label = _label(key)
             line, = ax.plot(turns, [p.get(key, {}).get("ttft_s") for p in pt], marker="o", label=label)
             bx.plot(turns, [p.get(key, {}).get("exact") for p in pt], marker="o", color=line.get_color(),
                     label=label)
@@ -353,17 +360,20 @@ def main(argv: list[str] | None = None) -> int:
                 fill("llamacpp", c, llamacpp_conversation(path, args.threads, conv))
             save("llamacpp")
     for think in thinks:
-        if "kvboost" in methods:
+        for method in ("kvboost", "exact"):
+            if method not in methods:
+                continue
             from kvboost_rag import KVBoostRAG
 
-            rag = KVBoostRAG.from_model_id(args.model)  # a fresh store: nothing left from another think mode
+            # a fresh store: nothing left from another think mode or method
+            rag = KVBoostRAG.from_model_id(args.model, exact_turns=method == "exact")
             rag.warm_documents(docs, progress=False)
             for c, conv in enumerate(refs):
-                fill(f"kvboost_think_{think}", c, kvboost_conversation(rag, conv, think))
+                fill(f"{method}_think_{think}", c, kvboost_conversation(rag, conv, think))
             rag.engine.close_backfill(60)
             del rag
             gc.collect()
-            save(f"kvboost, think {think}")
+            save(f"{method}, think {think}")
         if "server" in methods:
             import httpx
 

@@ -74,7 +74,7 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
     """(the FastAPI app, the host to bind). ``replica`` names this process among several (Ray Serve), whose
     driver already ran :func:`access` and passes ``keys``: its responses name it, and documents warmed through
     any replica are registered by all (a redis:// store)."""
-    from kvboost_rag import KVBoostRAG
+    from kvboost_rag import KVBoostRAG, RAGOptions
     from kvboost_rag.app.loading import load_engine
     from kvboost_rag.app.server.app import create_app
     from kvboost_rag.app.server.state import default_state
@@ -88,7 +88,8 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
                          **({"block_adapter": block} if block else {}))
     name = args.served_model_name or args.model
     aliases = (args.model, loaded.label, Path(args.model).name)
-    state = default_state(KVBoostRAG(loaded.engine), name, keys=keys, max_batch=args.max_batch,
+    rag = KVBoostRAG(loaded.engine, RAGOptions(exact_turns=bool(getattr(args, "exact_turns", False))))
+    state = default_state(rag, name, keys=keys, max_batch=args.max_batch,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
                           step_delay=args.debug_step_delay, aliases=aliases,
                           prefill_chunk=getattr(args, "prefill_chunk", 0) or None,

@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request's output does not depend on the requests batched with it, to the last bit of "
                         "its logits (default on); --no-deterministic runs each decode step as plain batched "
                         "calls, faster at large batches (see docs/serving.md)")
+    p.add_argument("--exact-turns", action="store_true",
+                   help="compute every chat turn exactly (documents never re-placed): answers are the full "
+                        "prefill's and a follow-up waits for no backfill, but a chat's first turn costs a full "
+                        "prefill (default off: turn 1 re-places its documents, the backfill makes them exact)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds per request before 504 (default 300)")
     p.add_argument("--default-temperature", type=float, default=1.0,

@@ -56,7 +56,7 @@ class ServerState:
                 eng = self.base.engine
                 store = namespaced_store(eng.config.store, namespace)
                 engine = KVEngine(eng.model, eng.tokenizer, eng.config.with_(namespace=namespace, store=store))
-                rag = self._rags[namespace] = KVBoostRAG(engine)
+                rag = self._rags[namespace] = KVBoostRAG(engine, self.base.options)
             return rag
 
     def store_stats(self) -> dict[str, dict[str, Any]]:
