@@ -113,3 +113,21 @@ def test_the_server_serves_exact_turns_and_every_tenant_inherits_them(demo: Any)
     assert box["start"].counts.approximate == 0 and box["start"].counts.prompt_tokens > 200
     state = default_state(rag, "demo")
     assert state.rag("tenant-b").options.exact_turns is True
+
+
+def test_both_skins_take_exact_turns(demo: Any) -> None:
+    from langchain_core.messages import HumanMessage
+    from langchain_kvboost import ChatKVBoost
+    from llama_index.llms.kvboost import KVBoostLLM
+
+    eng = KVEngine(demo.model, demo.tokenizer, demo.config)
+    chat = ChatKVBoost(engine=eng, exact_turns=True, max_tokens=4)
+    assert chat._rag.options.exact_turns is True
+    records = [d["text"] for d in dd.load_corpus()]
+    chat._rag.warm_documents([" ".join(records[:8])], progress=False)
+    chat.invoke([HumanMessage(content=dd.build_prompt([" ".join(records[:8])], "What is the country of Dethik?"))])
+    stats = chat._rag.last_result.stats
+    assert stats["reused_approx"] == 0 and stats["chat_history_tokens"] == stats["prompt_tokens"]
+    assert ChatKVBoost(engine=eng)._rag.options.exact_turns is False
+    assert KVBoostLLM(eng, exact_turns=True)._rag.options.exact_turns is True
+    assert KVBoostLLM(KVBoostRAG(eng), exact_turns=True)._rag.options.exact_turns is True

@@ -71,6 +71,10 @@ class KVBoostFields(BaseModel):
                                                        "the call that used them, so the next query reuses "
                                                        "their KV (misses are logged either way).")
 
+    exact_turns: bool = Field(default=False, description="Chat calls: compute every turn exactly (documents "
+                                                         "never re-placed), so a follow-up waits for no backfill; "
+                                                         "a chat's first turn then costs a full prefill.")
+
     _rag: Any = PrivateAttr(default=None)  # the KVBoostRAG calls go to (set by the validator)
 
     @model_validator(mode="after")
@@ -82,11 +86,13 @@ class KVBoostFields(BaseModel):
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
             self._rag, self.engine = engine, engine.engine
-            if self.auto_warm:
-                engine.options = engine.options.with_(auto_warm=True)
+            on = {name: True for name in ("auto_warm", "exact_turns") if getattr(self, name)}
+            if on:
+                engine.options = engine.options.with_(**on)
         elif isinstance(engine, KVEngine):
             self._rag = KVBoostRAG(engine, RAGOptions(transparent=self.transparent,
-                                                      preserve_order=self.preserve_order, auto_warm=self.auto_warm))
+                                                      preserve_order=self.preserve_order, auto_warm=self.auto_warm,
+                                                      exact_turns=self.exact_turns))
         elif engine is None:
             raise ValueError(f"{type(self).__name__} needs engine=KVEngine(model, tokenizer); or build one with "
                              f"{type(self).__name__}.from_model_id('org/model')")

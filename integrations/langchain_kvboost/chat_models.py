@@ -55,7 +55,7 @@ _ROLES: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", SystemM
                            ToolMessage: "tool"}
 # What ChatKVBoost(llm=...) takes from the KVBoostLLM, unless given (its engine and registry are shared).
 _FROM_LLM = ("model_id", "max_tokens", "temperature", "top_p", "seed", "stop", "repair", "recompute_ratio",
-             "transparent", "preserve_order", "auto_warm")
+             "transparent", "preserve_order", "auto_warm", "exact_turns")
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:

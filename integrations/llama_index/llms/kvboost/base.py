@@ -145,6 +145,9 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
     auto_warm: bool = Field(default=False, description="Warm retrieved nodes that were not warmed yet after the "
                             "call that used them, so the next query reuses their KV (misses are logged "
                             "either way).")
+    exact_turns: bool = Field(default=False, description="chat/stream_chat: compute every turn exactly "
+                              "(documents never re-placed), so a follow-up waits for no backfill; a chat's first "
+                              "turn then costs a full prefill.")
     is_function_calling_model: bool | None = Field(default=None, description="Report a function-calling model "
                                                    "(FunctionAgent, predict_and_call); None: whenever chat calls "
                                                    "with tools render with the tokenizer's chat template.")
@@ -182,8 +185,9 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         template_chat = kwargs.get("messages_to_prompt") is None
         super().__init__(**kwargs)
         self._rag = the_rag
-        if self.auto_warm:
-            the_rag.options = the_rag.options.with_(auto_warm=True)
+        on = {name: True for name in ("auto_warm", "exact_turns") if getattr(self, name)}
+        if on:
+            the_rag.options = the_rag.options.with_(**on)
         self._template_chat = template_chat
         watch_retrievals()  # retrieved nodes become visible, so unwarmed ones are reported
         real = self._model_context()
