@@ -50,24 +50,12 @@ def rag_prompts(rag: Any, n: int, k: int, seed: int = 3) -> list[tuple[str, list
 
 
 def hf_decode(model: Any, ids: Sequence[int], new: int, eos: Sequence[int]) -> dict[str, Any]:
-    """Plain HF greedy, EOS masked: TTFT, the time after the first token, the tokens."""
-    import torch
+    """Plain HF greedy, EOS masked (:func:`kvboost_rag.app.bench.rag.hf_steps`): TTFT, the time after the first
+    token, the tokens."""
+    from kvboost_rag.app.bench.rag import hf_steps
 
-    from kvboost_core.model.driver import output_cache
-
-    banned = torch.tensor(sorted(eos), dtype=torch.long)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([list(ids)]), use_cache=True, logits_to_keep=1)
-        tokens = [int(out.logits[0, -1].index_fill(0, banned, -torch.inf).argmax())]
-        t1 = time.perf_counter()
-        cache = output_cache(out)
-        while len(tokens) < new:
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            cache = output_cache(out)
-            tokens.append(int(out.logits[0, -1].index_fill(0, banned, -torch.inf).argmax()))
-        t2 = time.perf_counter()
-    return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0, "tokens": tokens}
+    _, tokens, ttft, total = hf_steps(model, ids, new, banned=eos)
+    return {"ttft_s": ttft, "decode_s": total - ttft, "total_s": total, "tokens": tokens}
 
 
 def kvboost_decode(rag: Any, prompt: str, ids: Sequence[int], new: int, eos: Sequence[int]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,27 +71,36 @@ class Reference:
     ttft_s: float
 
 
-def hf_greedy(model: Any, tokenizer: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> Reference:
-    """Plain HF: a full prefill of ``ids`` (logits of the last position only), then greedy steps on HF's cache."""
+def hf_steps(model: Any, ids: Sequence[int], max_new_tokens: int, *, stop: Collection[int] = (),
+             banned: Collection[int] = ()) -> tuple[Any, list[int], float, float]:
+    """Plain HF: a full prefill of ``ids`` (logits of the last position only), then greedy steps on HF's cache,
+    ``banned`` ids masked at every step, ending after a ``stop`` id or ``max_new_tokens`` tokens: (the first
+    logits, float32; the tokens; seconds to the first logits; seconds in all)."""
     import torch
 
     from kvboost_core.model.driver import output_cache
 
+    mask = torch.tensor(sorted(banned), dtype=torch.long, device=model.device)
+
+    def pick(logits: torch.Tensor) -> int:
+        return int((logits.index_fill(0, mask, -torch.inf) if len(mask) else logits).argmax())
+
     with torch.inference_mode():
         t0 = time.perf_counter()
-        x = torch.tensor([list(ids)], device=model.device)
-        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([list(ids)], device=model.device), use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()
         ttft = time.perf_counter() - t0
-        cache, tokens = output_cache(out), []
-        nxt = int(logits.argmax())
-        while True:
-            tokens.append(nxt)
-            if nxt in eos or len(tokens) >= max_new_tokens:
-                break
-            out = model(input_ids=torch.tensor([[nxt]], device=model.device), cache=cache, use_cache=True)
+        cache, tokens = output_cache(out), [pick(logits)]
+        while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=model.device), cache=cache, use_cache=True)
             cache = output_cache(out)
-            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(pick(out.logits[0, -1]))
+    return logits, tokens, ttft, time.perf_counter() - t0
+
+
+def hf_greedy(model: Any, tokenizer: Any, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> Reference:
+    """Plain HF greedy (:func:`hf_steps`), ending at EOS: the reference every reuse path is compared with."""
+    logits, tokens, ttft, _ = hf_steps(model, ids, max_new_tokens, stop=eos)
     text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
     return Reference(list(ids), logits, tokens, text, ttft)
 
