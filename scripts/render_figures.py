@@ -655,13 +655,18 @@ def chat_turns_line(result: dict[str, Any]) -> str:
         return f"{_fmt_speedup(vals[0])} to {_fmt_speedup(vals[-1])}" if vals else "n/a"  # ratios of medians
 
     two = next((p for p in pt if p["turn"] == 2), {})
+    one = next((p for p in result["per_turn"] if p["turn"] == 1), {})
     t0 = two.get("kvboost_think_0", {}).get("vs_hf")
+    exact2, exact1 = two.get("exact_think_0", {}), one.get("exact_think_0", {})
     return (f"**Against llama.cpp's prefix reuse** (same GGUF, same token ids, {result['threads']} thread): when the "
             f"user's think time covers the backfill, {SMOLLM2}'s follow-up turns 2-{result['turns']} start in process "
             f"from {span('kvboost_think_backfill', 'vs_llamacpp')} than llama.cpp, through the server from "
             f"{span('server_think_backfill', 'vs_llamacpp')}"
             + (f"; with no think time turn 2 waits for turn 1's backfill and is {_fmt_speedup(t0)} than full "
                "prefill" if t0 else "")
+            + (f"; with `exact_turns=True` it starts in {exact2['ttft_s']:.2f} s ({_fmt_speedup(exact2['vs_llamacpp'])} "
+               f"than llama.cpp), and turn 1 costs a full prefill ({_fmt_speedup(exact1['vs_hf'])} than HF's)"
+               if exact2.get("vs_llamacpp") and exact1.get("vs_hf") else "")
             + " ([chat turns vs llama.cpp](docs/experiments.md#chat-turns-vs-llamacpp)).")
 
 

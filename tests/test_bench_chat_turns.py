@@ -55,3 +55,14 @@ def test_summary_speedups_are_ratios_of_medians_and_a_skipped_method_has_no_colu
     assert "llamacpp" not in q and q["kvboost_think_backfill"]["vs_llamacpp"] is None
     table = ct.markdown_table({"per_turn": [q], "think": ["backfill"]})
     assert "skipped" in table and "2.00x slower vs HF" in table and "vs llama.cpp" not in table
+
+
+def test_exact_turns_have_their_own_column_at_think_0_only():
+    row = _row(2, 0, 4.0, 0.2, 0.4)
+    cell = dict(row["kvboost_think_backfill"], ttft_s=0.5)
+    row |= {"exact_think_0": cell, "exact_think_backfill": cell, "kvboost_think_0": cell}
+    (p,) = ct.summarize([row], ["0", "backfill"])
+    assert {"exact_think_0", "exact_think_backfill", "kvboost_think_0"} <= set(p)
+    head = ct.markdown_table({"per_turn": [p], "think": ["0", "backfill"]}).splitlines()[0]
+    assert "kvboost exact turns, think 0" in head and "exact turns, think backfill" not in head
+    assert head.index("kvboost, think 0") < head.index("kvboost exact turns, think 0")

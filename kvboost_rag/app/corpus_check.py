@@ -49,7 +49,12 @@ def norm(s: str) -> str:
 
 def contains(needle: str, hay: str) -> bool:
     """Whole-word, case-insensitive, thousands separators ignored ("300" is not found in "7,300")."""
-    return re.search(r"(?<!\w)" + re.escape(norm(needle)) + r"(?!\w)", norm(hay)) is not None
+    return _found(norm(needle), norm(hay))
+
+
+def _found(needle: str, hay: str) -> bool:
+    """:func:`contains` on normalized strings; a plain substring test first (most pairs share nothing)."""
+    return needle in hay and re.search(r"(?<!\w)" + re.escape(needle) + r"(?!\w)", hay) is not None
 
 
 def golds(q: rc.CorpusQuestion) -> tuple[str, ...]:
@@ -97,6 +102,7 @@ def check_shape(c: rc.RagCorpus, shape: Shape) -> list[str]:
 
 def check_answers(c: rc.RagCorpus) -> list[str]:
     out: list[str] = []
+    texts = {d.id: norm(rc.doc_text(d)) for d in c.documents}  # normalized once: Q x D lookups below
     for q in c.questions:
         gold = c.doc(q.doc_id)
         if gold.title.lower() not in q.question.lower():
@@ -108,14 +114,16 @@ def check_answers(c: rc.RagCorpus) -> list[str]:
                 out.append(f"{q.id}: {s!r} is not verbatim in {gold.id}")
             if contains(s, q.question):
                 out.append(f"{q.id}: the question contains its answer {s!r}")
-            clash = [d.id for d in c.documents if d.id != gold.id and contains(s, rc.doc_text(d))]
+            needle = norm(s)
+            clash = [d.id for d in c.documents if d.id != gold.id and _found(needle, texts[d.id])]
             if clash:
                 out.append(f"{q.id}: {s!r} also in {clash}")
     for d in c.documents:
         answers = [q.answer.lower() for q in c.questions if q.doc_id == d.id]
         if len(set(answers)) != len(answers):
             out.append(f"{d.id}: two questions with the same answer")
-        named = [o.id for o in c.documents if o.id != d.id and contains(d.title, rc.doc_text(o))]
+        title = norm(d.title)
+        named = [o.id for o in c.documents if o.id != d.id and _found(title, texts[o.id])]
         if named:
             out.append(f"{d.id}: its title {d.title!r} appears in {named}")
     return out
@@ -147,12 +155,15 @@ def check_disjoint(c: rc.RagCorpus, others: Iterable[rc.RagCorpus]) -> list[str]
             out.append("document ids shared with another split")
         if {q.id for q in c.questions} & {q.id for q in other.questions}:
             out.append("question ids shared with another split")
-        other_text = [rc.doc_text(o) for o in other.documents]
+        other_text = [norm(rc.doc_text(o)) for o in other.documents]
+        own_text = {d.id: norm(rc.doc_text(d)) for d in c.documents}
         for d in c.documents:
-            if any(contains(d.title, t) for t in other_text):
+            title = norm(d.title)
+            if any(_found(title, t) for t in other_text):
                 out.append(f"{d.id}: title {d.title!r} appears in another split")
         for o in other.documents:
-            hits = [d.id for d in c.documents if contains(o.title, rc.doc_text(d))]
+            title = norm(o.title)
+            hits = [d.id for d in c.documents if _found(title, own_text[d.id])]
             if hits:
                 out.append(f"{hits}: name another split's title {o.title!r}")
         old_answers = {norm(s) for q in other.questions for s in golds(q)}
@@ -181,10 +192,12 @@ def check_not_synthetic(c: rc.RagCorpus, seeds: Sequence[int] = (0, 1, 2, 3, 4))
     for q in c.questions:
         if {s.lower() for s in golds(q)} & values:
             out.append(f"{q.id}: its answer is a synthetic-corpus value")
+    texts = [norm(rc.doc_text(d)) for d in c.documents]
     for seed in seeds:
         for s in sc.synthetic_corpus(240, seed).documents:
             name = s.title.split(" (")[0]
-            if any(contains(name, rc.doc_text(d)) for d in c.documents):
+            needle = norm(name)
+            if any(_found(needle, t) for t in texts):
                 out.append(f"synthetic name {name!r} appears in the split")
     return out
 

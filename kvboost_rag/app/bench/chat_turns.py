@@ -230,6 +230,12 @@ def _cell(p: dict[str, Any], key: str) -> str:
         f", {speedup(x['vs_llamacpp'])} vs llama.cpp" if x.get("vs_llamacpp") else "")
 
 
+def _shown(thinks: list[str]) -> list[str]:
+    """The result keys the table and plot show: exact turns at think 0 only, where they differ (with think time
+    they wait for nothing either way; those figures stay in the JSON)."""
+    return [f"{m}_think_{t}" for t in thinks for m in REUSE if not (m == "exact" and t != "0")]
+
+
 def _label(key: str, sep: str = ", think ") -> str:
     """``exact_think_0`` -> ``kvboost exact turns, think 0``."""
     method, think = key.split("_think_")
@@ -239,7 +245,7 @@ def _label(key: str, sep: str = ", think ") -> str:
 def markdown_table(result: dict[str, Any]) -> str:
     """The per-turn table: TTFT of each method, exact share, backfill CPU, speedups vs HF and llama.cpp."""
     pt, thinks = result["per_turn"], result["think"]
-    keys = [f"{m}_think_{t}" for t in thinks for m in REUSE if any(f"{m}_think_{t}" in p for p in pt)]
+    keys = [k for k in _shown(thinks) if any(k in p for p in pt)]
     head = ["turn", "tokens", "HF full prefill", "llama.cpp prefix reuse", *[_label(k) for k in keys]]
     rows = []
     for p in pt:
@@ -274,7 +280,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                         label="llama.cpp prefix reuse")
         bx.plot(turns, [p.get("llamacpp", {}).get("reused") for p in pt], marker="o", color=line.get_color(),
                 label="llama.cpp (prefix reused)")
-    for key in (f"{m}_think_{t}" for t in result["think"] for m in REUSE):
+    for key in _shown(result["think"]):
         if any(key in p for p in pt):
             label = _label(key)
             line, = ax.plot(turns, [p.get(key, {}).get("ttft_s") for p in pt], marker="o", label=label)
