@@ -156,7 +156,9 @@ __all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text"
 def cut_messages(segments: Sequence[TokenizedSegment], end: int,
                  turn_end: Sequence[int] = ()) -> list[TokenizedSegment]:
     """``segments`` with every text segment cut at ``end`` (a chat's history end) and after every occurrence of
-    ``turn_end`` (the ids a chat template writes after a message). Documents and the lead are never cut.
+    ``turn_end`` (the ids a chat template writes after a message) that ends at or before ``end``. Documents and
+    the lead are never cut. Text after ``end`` (the new turn) stays whole: a follow-up computes it in one forward,
+    not one per message (measured on SmolLM2: 0.18 s against 0.24 s a follow-up turn).
 
     Why: a chat's history is chunked per message this way, so a message's chunks depend on its own ids and those
     before it, never on what follows. The backfill after turn n and the history read of every later turn then cut
@@ -171,9 +173,9 @@ def cut_messages(segments: Sequence[TokenizedSegment], end: int,
             continue
         cuts = {end - seg.start} if 0 < end - seg.start < len(ids) else set()
         if marker:
-            n, first = len(marker), marker[0]
+            limit, n, first = min(len(ids), end - seg.start), len(marker), marker[0]
             i = 0
-            while i + n <= len(ids):
+            while i + n <= limit:
                 if ids[i] == first and ids[i:i + n] == marker:
                     cuts.add(i + n)
                     i += n

@@ -65,7 +65,7 @@ class EngineStages(Protocol):
         ...
 
     def split_at(self, prepared: Prepared, history: int, turn_end: Sequence[int] = ()) -> Prepared:
-        """The prompt re-chunked per message: cut at ``history`` and after every ``turn_end``."""
+        """The prompt re-chunked so the history is cut per message: at ``history`` and after every ``turn_end``."""
         ...
 
     def chat_canonical(self) -> bool:

@@ -261,8 +261,8 @@ def test_cut_messages_cuts_text_after_each_turn_end_up_to_the_end():
     assert [(s.start, s.token_ids) for s in got[2:]] == [(5, (5, 7, 7)), (8, (6, 7, 7)), (11, (4, 3, 7, 7)),
                                                         (15, (2,))]
     assert [s.source_offset for s in got[2:]] == [1, 4, 7, 11]  # token i of a piece is source_ids[i + offset]
-    # `end` cuts inside a message too; without a marker only `end` cuts
+    # a marker that ends after `end` does not cut (the new turn stays whole); without a marker only `end` cuts
     assert [s.token_ids for s in cut_messages([text], 5 + 9, (7, 7))] == [(5, 7, 7), (6, 7, 7), (4, 3, 7),
-                                                                         (7,), (2,)]
+                                                                         (7, 2)]
     assert [s.token_ids for s in cut_messages([text], 7, ())] == [(5, 7), (7, 6, 7, 7, 4, 3, 7, 7, 2)]
     assert cut_messages([text], 0, ()) == [text]

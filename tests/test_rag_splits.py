@@ -18,6 +18,9 @@ SHAPES = {  # (documents, questions, kinds) exactly: a split that loses or gains
     "heldout": (144, 288, 18),
     "dev": (64, 128, 8),
     "test": (160, 320, 20),
+    # written after "test" was read (issue #32): 8 parts x 10 kinds, kinds 1, 4 and 7 of each part in dev2
+    "dev2": (384, 768, 24),
+    "test2": (896, 1792, 56),
 }
 
 
@@ -61,6 +64,15 @@ def test_block_training_pool_shares_nothing_with_the_splits():
 
     pool = tc.training_pool(240, 0)
     text = "\n".join(d.render().lower() for d in pool)
-    for split in ("heldout", "dev", "test", "eval"):
+    for split in ("heldout", "dev", "test", "eval", "dev2", "test2"):
         for d in rc.load_corpus(split).documents:
             assert d.title.lower() not in text, (split, d.id)
+
+
+@pytest.mark.parametrize("split", sorted(rc.READ_ONCE))
+def test_the_trainer_refuses_a_test_split(split):
+    from kvboost_rag.app.adapt_block import dev_targets
+
+    assert split in rc.SPLITS
+    with pytest.raises(ValueError, match="read once"):
+        dev_targets(None, "/nonexistent", 16, split=split)

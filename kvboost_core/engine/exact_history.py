@@ -55,9 +55,8 @@ class BackfillMixin(PrefillMixin):
             self.config.store_prefix if store_prefix is None else store_prefix)
 
     def split_at(self, prepared: Prepared, history: int, turn_end: Sequence[int] = ()) -> Prepared:
-        """The prompt's segments and chunks cut per message (:func:`cut_messages`): at ``history`` and after every
-        ``turn_end``, as the earlier turns' backfills chunked the history and this turn's backfill will chunk the
-        rest (so the chunks this call computes exactly and stores are the ones that backfill looks up)."""
+        """The prompt's segments and chunks with the history cut per message (:func:`cut_messages`): at
+        ``history`` and after every ``turn_end`` before it, as the earlier turns' backfills chunked it."""
         segs, total, _ = prepared
         out = cut_messages(segs, history, turn_end)
         return (out, total, plan_chunks(out, self.spans)) if len(out) > len(segs) else prepared
