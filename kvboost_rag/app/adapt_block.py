@@ -75,8 +75,8 @@ def dev_targets(rag: Any, root: str, max_new_tokens: int, split: str = "dev", li
     from kvboost_rag.app import distill
     from kvboost_rag.app import rag_corpus as rc
 
-    if split == "test":
-        raise ValueError("the test split is read once, by the final benchmark, never by the trainer")
+    if split in rc.READ_ONCE:
+        raise ValueError(f"the {split} split is read once, by the final benchmark, never by the trainer")
     corpus = rc.load_corpus(split)
     sets = rc.retrieval_sets(corpus, DEV_K, 0)
     if limit is not None and limit < len(sets):  # an even spread over the split's documents and kinds

@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--weights", choices=[p for p in PRECISIONS if p != "fp32"], default="fp16")
-    ap.add_argument("--split", choices=[s for s in rc.SPLITS if s != "test"], default="heldout")
+    ap.add_argument("--split", choices=[s for s in rc.SPLITS if s not in rc.READ_ONCE], default="heldout")
     ap.add_argument("--k", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="the first N questions only")
