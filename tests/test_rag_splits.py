@@ -76,3 +76,12 @@ def test_the_trainer_refuses_a_test_split(split):
     assert split in rc.SPLITS
     with pytest.raises(ValueError, match="read once"):
         dev_targets(None, "/nonexistent", 16, split=split)
+
+
+@pytest.mark.parametrize("split", sorted(rc.READ_ONCE))
+def test_bench_rag_reads_a_test_split_only_with_final(split, capsys):
+    from kvboost_rag.app.bench import rag as bench_rag
+
+    with pytest.raises(SystemExit) as e:
+        bench_rag.main(["--split", split, "--model", "/nonexistent"])  # refused before any model loads
+    assert e.value.code == 2 and "--final" in capsys.readouterr().err

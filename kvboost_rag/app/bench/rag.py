@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = Parser(prog="kvboost-rag bench rag", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a short name, a local HF folder or a hub id")
     ap.add_argument("--split", choices=rc.SPLITS, default="eval",
-                    help="tune: for tuning; eval: held out; heldout: the larger held-out set (288 questions, issue #24)")
+                    help="tune: for tuning; eval: held out; heldout: the larger held-out set (288 questions, issue #24); "
+                         "dev, dev2: for choices; test, test2: read once (--final)")
     ap.add_argument("--k", type=positive_int, default=12, help="retrieved documents per question (gold included)")
     ap.add_argument("--questions", type=positive_int, default=None, help="first N questions (default: all)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
@@ -309,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapted-full", action="store_true",
                     help="with --block-adapter: also the adapted model's plain HF full prefill of the same ids, "
                          "and block reading's own cost against it (block_cost)")
+    ap.add_argument("--final", action="store_true",
+                    help="confirm reading a test split (test, test2): it is read once, by the final benchmark of an "
+                         "adapter or setting chosen on dev, dev2 or heldout")
     ap.add_argument("--json", dest="json_path", help="write the result as JSON")
     ap.add_argument("--ttft-k", type=nonnegative_int, default=0,
                     help="instead of the quality run: TTFT of long chats with this many documents (28: ~4K tokens)")
@@ -318,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="instead of running: merge result files of disjoint question slices")
     ap.add_argument("--plot", dest="plot_path", help="recompute share vs same answer / accuracy / speedup")
     args = ap.parse_args(argv)
+    if args.split in rc.READ_ONCE and not args.final and not args.merge:
+        ap.error(f"--split {args.split} is a test split, read once by a final benchmark; choose on dev, dev2 or "
+                 "heldout, then pass --final to confirm")
     if args.adapted_full and not args.block_adapter:
         ap.error("--adapted-full needs --block-adapter (the adapted model)")
     chosen = {}
