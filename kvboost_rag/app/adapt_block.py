@@ -110,6 +110,7 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
     from kvboost_core.lora.block_prefill import block_greedy
     from kvboost_rag.app import distill
     from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.bench.rag import hf_steps
     from kvboost_rag.app.bench.stats import paired_accuracy
 
     corpus = rc.load_corpus(split)
@@ -136,8 +137,9 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
                 kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer", links=n_links),
                                                       encoded, links)))
                 encoded.clear()
-            own = [rc.is_correct(text(distill.teacher_target(model, t.ids, t.runs, max_new_tokens, eos).answer),
-                                 qs[t.kind]) for t in targets] if full else []
+            # plain HF greedy of the same ids (the reference bench rag --adapted-full uses), not teacher targets
+            own = [rc.is_correct(text(hf_steps(model, t.ids, max_new_tokens, stop=eos)[1]), qs[t.kind])
+                   for t in targets] if full else []
         pa = paired_accuracy(ref, got)
         out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
                      "same_answer": statistics.fmean(same), "answer_kl": statistics.fmean(kls)}
