@@ -129,6 +129,7 @@ def test_backfill_false_never_and_steps_resume_from_stored_prefix(tiny_llama, to
     job = conversation_job(segs, chunks, [5, 6, 7], eng.spans)
     res = run_job(job, eng._backfill_step, step_tokens=20)  # several steps: each resumes from the last one
     assert res.computed + res.reused_exact == res.tokens
+    assert res.steps == len(step_ends(job.chunks, 20)) and 0 < res.max_step_s <= res.seconds
     again = run_job(job, eng._backfill_step, step_tokens=20)
     assert len(step_ends(job.chunks, 20)) > 1 and again.computed == 0  # all stored exact by the first run
 

@@ -127,6 +127,8 @@ class BackfillResult:
     seconds: float
     complete: bool  # False: stopped before the end (the worker was closed)
     cpu_s: float = 0.0  # CPU time of the thread that ran it (the worker's: what the backfill cost the machine)
+    steps: int = 0  # steps run
+    max_step_s: float = 0.0  # the longest step's wall time: what a request arriving mid-step may wait for
 
 
 def conversation_job(segments: Sequence[TokenizedSegment], chunks: Sequence[Chunk], generated: Sequence[int],
@@ -189,19 +191,21 @@ StepFn = Callable[[BackfillJob, int], tuple[int, int]]
 def run_job(job: BackfillJob, run_step: StepFn, *, step_tokens: int = STEP_TOKENS,
             may_continue: Callable[[], bool] = lambda: True) -> BackfillResult:
     """Run ``job`` step by step; ``may_continue()`` is asked before each step (it may wait), False stops it."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    reused = computed = 0
-    cpu = 0.0  # the steps' CPU time only: waiting for an idle moment costs none
+    t0 = time.perf_counter()
+    reused = computed = steps = 0
+    cpu = longest = 0.0  # the steps' CPU time only: waiting for an idle moment costs none
     for i, end in enumerate(step_ends(job.chunks, step_tokens)):
         if not may_continue():
-            return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, False, cpu)
-        c0 = time.thread_time()
+            return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, False, cpu,
+                                  steps, longest)
+        c0, w0 = time.thread_time(), time.perf_counter()
         exact, done = run_step(job, end)
         cpu += time.thread_time() - c0
+        longest, steps = max(longest, time.perf_counter() - w0), steps + 1
         if i == 0:
             reused = exact
         computed += done
-    return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, True, cpu)
+    return BackfillResult(len(job.token_ids), reused, computed, time.perf_counter() - t0, True, cpu, steps, longest)
 
 
 class Backfiller:
