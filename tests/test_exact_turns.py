@@ -85,10 +85,9 @@ def test_exact_turns_must_be_a_bool() -> None:
 def test_the_server_serves_exact_turns_and_every_tenant_inherits_them(demo: Any) -> None:
     """Through the scheduler (as ``serve --exact-turns`` builds it), turn 1 re-places nothing; a tenant's own
     RAG object (``ServerState.rag``) carries the same options."""
-    import threading
+    from test_server_history import _turn
 
-    from kvboost_core.decode import SamplingParams
-    from kvboost_rag.app.server.scheduler import GenRequest, Scheduler
+    from kvboost_rag.app.server.scheduler import Scheduler
     from kvboost_rag.app.server.state import default_state
 
     rag = _rag(demo, exact_turns=True)
@@ -97,20 +96,11 @@ def test_the_server_serves_exact_turns_and_every_tenant_inherits_them(demo: Any)
     messages = [{"role": "user", "content": dd.build_prompt(docs, "What is the country of Dethik?")}]
     sched = Scheduler(demo.driver, max_batch=1)
     sched.start()
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def emit(kind: str, payload: Any) -> None:
-        box.setdefault(kind, payload)
-        if kind in ("done", "error"):
-            done.set()
-
     try:
-        sched.submit(GenRequest(rag=rag, params=SamplingParams.create(NEW), emit=emit, messages=messages))
-        assert done.wait(120) and "error" not in box, box.get("error")
+        _, started = _turn(sched, rag, messages)
     finally:
         sched.shutdown()
-    assert box["start"].counts.approximate == 0 and box["start"].counts.prompt_tokens > 200
+    assert started.counts.approximate == 0 and started.counts.prompt_tokens > 200
     state = default_state(rag, "demo")
     assert state.rag("tenant-b").options.exact_turns is True
 
