@@ -670,6 +670,16 @@ def chat_turns_line(result: dict[str, Any]) -> str:
             + " ([chat turns vs llama.cpp](docs/experiments.md#chat-turns-vs-llamacpp)).")
 
 
+def backfill_stall_table(result: dict[str, Any]) -> str:
+    """#33's goal: a request's TTFT while a chat's backfill runs, against an idle engine, paired per round."""
+    from kvboost_rag.app.bench.backfill_stall import markdown_table
+
+    head = (f"{result['model']}, a chat turn of k={result['chat_k']} heldout documents, then a one-shot question of "
+            f"k={result['probe_k']} others (the probe, one token, nothing stored) after each delay; backfill steps "
+            f"of about {result['step_tokens']} tokens; {_cpu(result)}. TTFT from the call's start.\n\n")
+    return head + markdown_table(result)
+
+
 def decode_table(result: dict[str, Any]) -> str:
     """#35: decode tokens/s and a whole answer against llama.cpp, per thread count; the kernel table behind it."""
     labels = {"hf": "HF fp32", "kvboost_fp32": "kvboost, weights fp32", "kvboost_fp16": "kvboost, weights fp16",
@@ -779,12 +789,13 @@ TABLES = (
     Table("multiturn", ("multiturn.json",), multiturn_table),
     Table("chat_turns", ("chat_turns.json",), chat_turns_table),
     Table("chat_turns_line", ("chat_turns.json",), chat_turns_line),
+    Table("backfill_stall", ("backfill_stall.json",), backfill_stall_table),
     Table("decode", ("decode.json",), decode_table),
     Table("decode_line", ("decode.json",), decode_line),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",
-         "ttft_flops_4k_flops.png", "decode.png")
+         "ttft_flops_4k_flops.png", "decode.png", "backfill_stall.png")
 
 
 def render_block(table: Table, root: Path = ROOT) -> str:

@@ -104,7 +104,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.plot(x, [r["idle_ttft_s"] for r in rows], marker="o", label="probe TTFT, idle engine")
     ax.plot(x, [r["during_ttft_s"] for r in rows], marker="o", label="probe TTFT, backfill queued or running")
     ax.axhline(result["summary"]["idle_ttft_s"] + (result["summary"]["step_s_median"] or 0), ls="--", color="grey",
-               label="idle + one backfill step (median)")
+               label="idle + one backfill step (mean)")
     ax.set_xlabel("probe sent this long after the chat turn ended (s)")
     ax.set_ylabel("TTFT (s)")
     ax.set_title(f"A request during a chat's backfill: {result['model']}, {result['threads']} thread(s)")
