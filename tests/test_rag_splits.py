@@ -85,3 +85,11 @@ def test_bench_rag_reads_a_test_split_only_with_final(split, capsys):
     with pytest.raises(SystemExit) as e:
         bench_rag.main(["--split", split, "--model", "/nonexistent"])  # refused before any model loads
     assert e.value.code == 2 and "--final" in capsys.readouterr().err
+
+
+def test_bench_rag_refuses_an_unknown_device(capsys):
+    from kvboost_rag.app.bench import rag as bench_rag
+
+    with pytest.raises(SystemExit) as e:
+        bench_rag.main(["--split", "dev2", "--device", "gpu0", "--model", "/nonexistent"])
+    assert e.value.code == 2 and "--device" in capsys.readouterr().err

@@ -110,15 +110,15 @@ def check_model_arg(model: str) -> None:
         raise UserError(f"--model {model}: no such model directory")
 
 
-def load_rag(model: str, **engine_kw: Any) -> Any:
-    """``KVBoostRAG.from_model_id(model, device="cpu", ...)`` for a bench's or trainer's ``--model``, checked
+def load_rag(model: str, device: str = "cpu", **engine_kw: Any) -> Any:
+    """``KVBoostRAG.from_model_id(model, device=device, ...)`` for a bench's or trainer's ``--model``, checked
     first (:func:`check_model_arg`, before torch loads); a model HF's loaders cannot read is a ``UserError``
     naming ``--model`` too."""
     check_model_arg(model)
     from kvboost_rag import KVBoostRAG
 
     try:
-        return KVBoostRAG.from_model_id(model, device="cpu", **engine_kw)
+        return KVBoostRAG.from_model_id(model, device=device, **engine_kw)
     except OSError as exc:  # HF's loaders: a missing/partial directory, an unknown hub id (adapters: ValueError)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"--model {model}: cannot load it as a HuggingFace causal LM ({first})") from exc

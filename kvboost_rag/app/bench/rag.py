@@ -23,6 +23,7 @@ The chat format is :mod:`.rag_chat`'s; ``--ttft-k`` runs :mod:`.rag_ttft` (TTFT 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Collection, Sequence
@@ -310,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapted-full", action="store_true",
                     help="with --block-adapter: also the adapted model's plain HF full prefill of the same ids, "
                          "and block reading's own cost against it (block_cost)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda[:N]: every arm runs there (the reference included)")
     ap.add_argument("--final", action="store_true",
                     help="confirm reading a test split (test, test2): it is read once, by the final benchmark of an "
                          "adapter or setting chosen on dev, dev2 or heldout")
@@ -322,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="instead of running: merge result files of disjoint question slices")
     ap.add_argument("--plot", dest="plot_path", help="recompute share vs same answer / accuracy / speedup")
     args = ap.parse_args(argv)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.split in rc.READ_ONCE and not args.final and not args.merge:
         ap.error(f"--split {args.split} is a test split, read once by a final benchmark; choose on dev, dev2 or "
                  "heldout, then pass --final to confirm")
@@ -343,12 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from kvboost_rag.app.loading import load_rag
 
-    rag = load_rag(args.model, warm_prefix=args.warm_prefix, reader_adapter=args.reader)  # --model checked first
+    rag = load_rag(args.model, args.device, warm_prefix=args.warm_prefix,
+                   reader_adapter=args.reader)  # --model checked first
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    block_rag = load_rag(args.model, block_adapter=args.block_adapter) if args.block_adapter else None
+    block_rag = load_rag(args.model, args.device, block_adapter=args.block_adapter) if args.block_adapter else None
     if args.ttft_k:
         from kvboost_rag.app.bench.rag_ttft import print_ttft, ttft_long
 
