@@ -5,6 +5,7 @@
 #      parallel workers; then one `adapt --block` run per arm on the GPU (background), each from the shipped
 #      adapter (or its own init) over the teacher targets, for BLOCK_MIN wall-minutes, then scored on dev. A call
 #      is at most 10 minutes: compute the targets in one call (BLOCK_ARMS="" KERNELS=0) and train in the next;
+#      With RAG_EVAL="dev2:DIR", also `bench rag --device cuda` of that adapter on dev2, beside the arms;
 #   1. trains demo-model variants on the GPU (background, bf16 autocast, batches from worker processes);
 #   2. builds the CUDA kernels (KVBOOST_CUDA=1) and runs the CUDA kernel tests and the engine-on-CUDA tests;
 #   3. times workload A on the GPU at real scale (random-weight Qwen2.5-0.5B and -7B shapes, bf16).
@@ -32,6 +33,9 @@ BLOCK_DATA=${BLOCK_DATA:-}  # N: compute the teacher targets of N training chats
 DATA_WORKERS=${DATA_WORKERS:-12}
 DATA_S=${DATA_S:-240}  # at most this long for the targets; the arms wait for them
 KERNELS=${KERNELS:-1}  # 0: skip stage 2
+RAG_EVAL=${RAG_EVAL:-}  # "split:adapter_dir ...": bench rag of each adapter on that split (dev2: 768 questions) on the
+# GPU, every arm (base and adapted full prefill, block reuse checked against the independent construction), in the
+# background beside the arms; its JSON is kept under artifacts/ (issue #32's dev2 reading, CPU-hours here)
 WORK=build/gpu_work
 mkdir -p "$OUT" "$WORK"
 ART="$WORK/artifacts"
@@ -51,7 +55,7 @@ fi
 
 # -- 0. block adapter arms, in the background ------------------------------------------------------------------
 arms=()
-if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS$BLOCK_DATA" ]; then
+if ls "$STAGE"/p[0-9] >/dev/null 2>&1 && [ -n "$BLOCK_ARMS$BLOCK_DATA$RAG_EVAL" ]; then
   if [ ! -d "$STAGE/site" ]; then  # (a second call on the same warm machine finds it unpacked)
     say "unpacking the payload ($(cat "$STAGE"/p[0-9] | wc -c) bytes in $(ls "$STAGE"/p[0-9] | wc -l) parts)"
     cat "$STAGE"/p[0-9] | $PY -c "import sys, tarfile
@@ -95,6 +99,16 @@ while os.path.isfile(distill.shard_path(sys.argv[1], i)):
 print(min(int(sys.argv[2]), i * distill.SHARD))" "$data/train" "$BLOCK_DATA")
       say "teacher targets: $(ls "$data"/train/targets-*.pt 2>/dev/null | wc -l) shards, the arms train on $BLOCK_DATA chats"
     fi
+    for spec in $RAG_EVAL; do
+      split=${spec%%:*}
+      adir=${spec#*:}
+      name=$(basename "$adir")
+      OMP_NUM_THREADS=2 timeout $((DEADLINE - 30)) $PY -m kvboost_rag.app.cli bench rag --device "$DEVICE" \
+        --split "$split" --k 12 --max-new-tokens 16 --settings "" --block-adapter "$adir" --adapted-full \
+        --json "$ART/rag_${split}_$name.json" >"$ART/rag_${split}_$name.log" 2>&1 &
+      arms+=($!)
+      say "bench rag on $split with $name on $DEVICE (pid $!)"
+    done
     for spec in $BLOCK_ARMS; do
       arm=${spec%%:*}
       init=kvboost_core/zoo_data/smollm2-135m-instruct-block
