@@ -8,7 +8,10 @@ requests served beside it or before it.
 - :mod:`.canonical`: the history-independent prefill, in canonical chunks planned from the prompt and the warmed
   documents alone;
 - :mod:`.backfill`: exact history, a background job that recomputes a finished turn as a plain prefill would and
-  stores it as exact prefix, so the next turn reads its whole history exactly.
+  stores it as exact prefix, so the next turn reads its whole history exactly;
+- :mod:`.pages`: a paged KV pool (issue #36, first part): fixed-size pages of a preallocated pool sized from a byte
+  budget, reference-counted, shared by content key and copied on write, with per-request page tables and decode
+  attention that reads the pages directly (``paged_attention``); the server does not use it yet.
 
 Who drives them: the server (``kvboost_rag.app.server``) and the engine shell's chat turns
 (:mod:`kvboost_core.engine.exact_history`); nothing else in kvboost_core imports this package.
