@@ -200,6 +200,12 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
     warm_s = time.perf_counter() - t0
     if block_rag is not None:
         block_rag.warm_documents(texts, progress=False)
+    for owner in (rag, block_rag):  # an evicted document would be computed, not reused: the arms would lie
+        evicted = 0 if owner is None else _evictions(owner.engine.store.stats())
+        if evicted:
+            raise RuntimeError(f"warming the {split} split's {len(texts)} documents evicted {evicted} store entries "
+                               f"(max_cache_bytes={owner.engine.config.max_cache_bytes:,}); the reuse arms would "
+                               "compute evicted documents instead of reusing them. Pass --cache-bytes larger")
     eos = set(engine.eos_token_ids)
     rows: dict[str, list[Row]] = {"full": []}
     for s in settings:
@@ -269,6 +275,13 @@ def run(rag: Any, split: str, k: int, n_questions: int | None, settings: dict[st
             "rows": {s: [asdict(x) for x in r] for s, r in rows.items()}}
 
 
+def _evictions(stats: Any) -> int:
+    """Evictions in a store's stats (a tiered store nests its tiers' stats)."""
+    if isinstance(stats, dict):
+        return int(stats.get("evictions", 0) or 0) + sum(_evictions(v) for k, v in stats.items() if k != "evictions")
+    return 0
+
+
 def merge_runs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from runs over disjoint question slices (same split, k and settings): rows are concatenated
     and every summary is recomputed from them (TTFT medians and speedups included)."""
@@ -311,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapted-full", action="store_true",
                     help="with --block-adapter: also the adapted model's plain HF full prefill of the same ids, "
                          "and block reading's own cost against it (block_cost)")
+    ap.add_argument("--cache-bytes", default="2GiB",
+                    help="each engine's store budget (max_cache_bytes); it must hold every document of the split, "
+                         "or the run stops (default 2GiB; dev2 and test2 need more, e.g. 6GiB)")
     ap.add_argument("--device", default="cpu",
                     help="cpu (default) or cuda[:N]: every arm runs there (the reference included)")
     ap.add_argument("--final", action="store_true",
@@ -346,15 +362,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(result)
         _save(result, args.json_path, args.plot_path)
         return 0
+    from kvboost_core.config import parse_bytes
     from kvboost_rag.app.loading import load_rag
 
-    rag = load_rag(args.model, args.device, warm_prefix=args.warm_prefix,
-                   reader_adapter=args.reader)  # --model checked first
+    try:
+        cache_bytes = parse_bytes(args.cache_bytes)
+    except (TypeError, ValueError) as exc:
+        ap.error(f"--cache-bytes: {exc}")
+    rag = load_rag(args.model, args.device, warm_prefix=args.warm_prefix, reader_adapter=args.reader,
+                   max_cache_bytes=cache_bytes)  # --model checked first
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    block_rag = load_rag(args.model, args.device, block_adapter=args.block_adapter) if args.block_adapter else None
+    block_rag = load_rag(args.model, args.device, block_adapter=args.block_adapter,
+                         max_cache_bytes=cache_bytes) if args.block_adapter else None
     if args.ttft_k:
         from kvboost_rag.app.bench.rag_ttft import print_ttft, ttft_long
 
