@@ -104,7 +104,7 @@ print(min(int(sys.argv[2]), i * distill.SHARD))" "$data/train" "$BLOCK_DATA")
       adir=${spec#*:}
       name=$(basename "$adir")
       OMP_NUM_THREADS=2 timeout $((DEADLINE - 30)) $PY -m kvboost_rag.app.cli bench rag --device "$DEVICE" \
-        --split "$split" --k 12 --max-new-tokens 16 --settings "" --block-adapter "$adir" --adapted-full \
+        --split "$split" --k 12 --max-new-tokens 16 --settings "" --block-adapter "$adir" --adapted-full --cache-bytes 6GiB \
         --json "$ART/rag_${split}_$name.json" >"$ART/rag_${split}_$name.log" 2>&1 &
       arms+=($!)
       say "bench rag on $split with $name on $DEVICE (pid $!)"
