@@ -150,7 +150,7 @@ def tokenize_segments(tokenizer: Any, segments: list[Segment], lead: Sequence[in
 
 
 __all__ = ["CacheKey", "Prompt", "Segment", "TokenizedSegment", "chat_head_text", "check_utf8", "check_vocab",
-           "lead_token_ids", "normalize_prompt", "tokenize_segments"]
+           "cut_messages", "lead_token_ids", "normalize_prompt", "tokenize_segments"]
 
 
 def cut_messages(segments: Sequence[TokenizedSegment], end: int,

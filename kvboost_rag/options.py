@@ -55,6 +55,11 @@ class RAGOptions:
             raise TypeError(f"unknown RAG option(s) {sorted(unknown)}; RAGOptions has {sorted(self.names())}")
         return replace(self, **changes) if changes else self
 
+    def switched_on(self, **flags: bool) -> RAGOptions:
+        """A copy with each flag given True set True; a flag given False keeps this value (a skin's default never
+        turns off what the KVBoostRAG it wraps was built with)."""
+        return self.with_(**{name: True for name, on in flags.items() if on})
+
 
 # Generation options every skin accepts per call (both spellings of the token budget).
 GENERATION_KEYS = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop"})

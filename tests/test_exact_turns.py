@@ -121,3 +121,11 @@ def test_both_skins_take_exact_turns(demo: Any) -> None:
     assert ChatKVBoost(engine=eng)._rag.options.exact_turns is False
     assert KVBoostLLM(eng, exact_turns=True)._rag.options.exact_turns is True
     assert KVBoostLLM(KVBoostRAG(eng), exact_turns=True)._rag.options.exact_turns is True
+
+
+def test_switched_on_sets_only_the_flags_given_true():
+    base = RAGOptions(auto_warm=True)
+    assert base.switched_on(auto_warm=False, exact_turns=True) == RAGOptions(auto_warm=True, exact_turns=True)
+    assert base.switched_on(exact_turns=False) == base
+    with pytest.raises(TypeError, match="unknown RAG option"):
+        base.switched_on(exact_turn=True)

@@ -86,9 +86,7 @@ class KVBoostFields(BaseModel):
         engine = self.engine
         if isinstance(engine, KVBoostRAG):
             self._rag, self.engine = engine, engine.engine
-            on = {name: True for name in ("auto_warm", "exact_turns") if getattr(self, name)}
-            if on:
-                engine.options = engine.options.with_(**on)
+            engine.options = engine.options.switched_on(auto_warm=self.auto_warm, exact_turns=self.exact_turns)
         elif isinstance(engine, KVEngine):
             self._rag = KVBoostRAG(engine, RAGOptions(transparent=self.transparent,
                                                       preserve_order=self.preserve_order, auto_warm=self.auto_warm,

@@ -52,6 +52,11 @@ def contains(needle: str, hay: str) -> bool:
     return _found(norm(needle), norm(hay))
 
 
+def _texts(c: rc.RagCorpus) -> dict[str, str]:
+    """Each document's text (title included), normalized once for the many lookups the checks make."""
+    return {d.id: norm(rc.doc_text(d)) for d in c.documents}
+
+
 def _found(needle: str, hay: str) -> bool:
     """:func:`contains` on normalized strings; a plain substring test first (most pairs share nothing)."""
     return needle in hay and re.search(r"(?<!\w)" + re.escape(needle) + r"(?!\w)", hay) is not None
@@ -102,7 +107,7 @@ def check_shape(c: rc.RagCorpus, shape: Shape) -> list[str]:
 
 def check_answers(c: rc.RagCorpus) -> list[str]:
     out: list[str] = []
-    texts = {d.id: norm(rc.doc_text(d)) for d in c.documents}  # normalized once: Q x D lookups below
+    texts = _texts(c)
     for q in c.questions:
         gold = c.doc(q.doc_id)
         if gold.title.lower() not in q.question.lower():
@@ -150,13 +155,13 @@ def check_not_templated(c: rc.RagCorpus) -> list[str]:
 def check_disjoint(c: rc.RagCorpus, others: Iterable[rc.RagCorpus]) -> list[str]:
     """No id, title, answer or sentence shared with ``others``; no title of either named in the other."""
     out: list[str] = []
+    own_text = _texts(c)
     for other in others:
         if {d.id for d in c.documents} & {d.id for d in other.documents}:
             out.append("document ids shared with another split")
         if {q.id for q in c.questions} & {q.id for q in other.questions}:
             out.append("question ids shared with another split")
-        other_text = [norm(rc.doc_text(o)) for o in other.documents]
-        own_text = {d.id: norm(rc.doc_text(d)) for d in c.documents}
+        other_text = list(_texts(other).values())
         for d in c.documents:
             title = norm(d.title)
             if any(_found(title, t) for t in other_text):
@@ -192,7 +197,7 @@ def check_not_synthetic(c: rc.RagCorpus, seeds: Sequence[int] = (0, 1, 2, 3, 4))
     for q in c.questions:
         if {s.lower() for s in golds(q)} & values:
             out.append(f"{q.id}: its answer is a synthetic-corpus value")
-    texts = [norm(rc.doc_text(d)) for d in c.documents]
+    texts = list(_texts(c).values())
     for seed in seeds:
         for s in sc.synthetic_corpus(240, seed).documents:
             name = s.title.split(" (")[0]

@@ -6,9 +6,8 @@ other than the chat's, one token) on an idle engine;
 then a chat's first turn, which queues the backfill of its whole prompt (about ``--chat-k`` documents, several
 steps of ``STEP_TOKENS`` tokens); after a delay that moves through the rounds, so the probe lands at different
 points of a step, the same probe again. The probe never stores (``store_prefix=False``), so every probe does the
-same work. Each backfill step is timed where it runs (the engine's own step function, wrapped). TTFT counts from
-the call's start; the probe's extra time is paired with its own idle time in the same round. The steps' times
-are the backfill job's own (``BackfillResult.steps``/``max_step_s``).
+same work. TTFT counts from the call's start; the probe's extra time is paired with its own idle time in the same
+round. The steps' times are the backfill job's own (``BackfillResult.steps``/``max_step_s``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_backfill_stall.py --threads 1 \\
         --json benchmarks/results/backfill_stall.json --plot benchmarks/results/backfill_stall.png

@@ -185,9 +185,7 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
         template_chat = kwargs.get("messages_to_prompt") is None
         super().__init__(**kwargs)
         self._rag = the_rag
-        on = {name: True for name in ("auto_warm", "exact_turns") if getattr(self, name)}
-        if on:
-            the_rag.options = the_rag.options.with_(**on)
+        the_rag.options = the_rag.options.switched_on(auto_warm=self.auto_warm, exact_turns=self.exact_turns)
         self._template_chat = template_chat
         watch_retrievals()  # retrieved nodes become visible, so unwarmed ones are reported
         real = self._model_context()
