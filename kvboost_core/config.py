@@ -140,6 +140,10 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
     # Deployment secret that authenticates disk/Redis entries (HMAC); None: env KVBOOST_STORE_SECRET or none.
     store_secret: str | bytes | None = field(default=None, repr=False)
+    # The repair fields above as one value, built once here from the flat keywords callers write (and rebuilt by
+    # ``with_``/``replace``): what every call that overrides none of them runs
+    # (:func:`kvboost_core.call_options.repair_spec` adds a call's overrides).
+    repair_spec: RepairSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -183,18 +187,14 @@ class EngineConfig:
                                               or not self.store_secret):
             raise ValueError("store_secret must be a non-empty str or bytes, or None")
         object.__setattr__(self, "max_cache_bytes", parse_bytes(self.max_cache_bytes))
+        object.__setattr__(self, "repair_spec", RepairSpec(
+            repair=self.repair, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
+            select=self.select, overlap_k=self.overlap_k, recompute_mass=self.recompute_mass,
+            max_recompute_ratio=self.max_recompute_ratio, query_tokens=self.query_tokens,
+            recheck_layer=self.recheck_layer, recheck_ratio=self.recheck_ratio))
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
-
-    @property
-    def repair_spec(self) -> RepairSpec:
-        """The repair settings as one value: what a call that overrides none of them runs
-        (:func:`kvboost_core.call_options.repair_spec` adds a call's overrides)."""
-        return RepairSpec(repair=self.repair, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
-                          select=self.select, overlap_k=self.overlap_k, recompute_mass=self.recompute_mass,
-                          max_recompute_ratio=self.max_recompute_ratio, query_tokens=self.query_tokens,
-                          recheck_layer=self.recheck_layer, recheck_ratio=self.recheck_ratio)
 
 
 def validate_repair(repair: str, ratio: float, select: str = "deviation") -> None:

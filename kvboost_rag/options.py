@@ -237,7 +237,7 @@ def check_engine_kwargs(engine_kw: Mapping[str, Any], *, owner: str) -> None:
 
     from kvboost_core import EngineConfig
 
-    names = {f.name for f in fields(EngineConfig)}
+    names = {f.name for f in fields(EngineConfig) if f.init}
     unknown = sorted(set(engine_kw) - names - {"config"})
     if unknown:
         raise TypeError(f"{owner}.from_model_id got unexpected keyword argument(s) {unknown}: not a field, a "
