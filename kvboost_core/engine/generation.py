@@ -21,6 +21,7 @@ from kvboost_core.decode import (
 )
 from kvboost_core.engine.exact_history import BackfillMixin
 from kvboost_core.model.forward import decode_step
+from kvboost_core.model.lean import lean_decoder
 from kvboost_core.results import GenerationResult
 from kvboost_core.segments import check_vocab
 from kvboost_core.serving.backfill import FOLLOW_UP_WAIT_S, conversation_job
@@ -136,6 +137,7 @@ class GenerationMixin(BackfillMixin):
             else:
                 self._store_prefix(plan, cache, spec, store_prefix)
 
+        lean = lean_decoder(self.driver) if cache.hf is None else None  # None: the planned forward decodes
         capacity = cache.keys[0].shape[2]
         all_ids = torch.empty(capacity, dtype=torch.long, device=self.driver.device)
         all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)
@@ -158,6 +160,8 @@ class GenerationMixin(BackfillMixin):
             with busy():
                 if cache.hf is not None:
                     logits = self.driver.hf_step(cache, token)
+                elif lean is not None:
+                    logits = lean.step(all_ids[pos:pos + 1], pos, cache)
                 else:
                     logits = decode_step(self.driver, all_ids, pos, cache)
                 token = process_and_sample(logits_processor, generated, logits.float(), params, generator)

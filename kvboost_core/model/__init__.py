@@ -4,6 +4,8 @@
 - :mod:`.attention`: the attention function kvboost registers (sparse query rows at their causal cost, row-wise
   decode);
 - :mod:`.forward`: the planned forward pass, each layer run only for the positions a repair schedule computes;
+- :mod:`.lean`: one decode step of a Llama-shaped decoder without the HF module stack, bitwise the planned
+  forward's (generation uses it where it applies);
 - :mod:`.replay`: the check layer's Q/K/V projections reused for the rows it keeps;
 - :mod:`.slices`: a long model call run in slices that pause between two layers (the server's warms); its pause
   points sit in the forward's layer loop, so it lives beside it;
