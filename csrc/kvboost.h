@@ -29,6 +29,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 at::Tensor blend_select_cpu(const at::Tensor& fresh, const at::Tensor& cached, int64_t k,
                             const std::optional<at::Tensor>& forced_mask);
 
+// q (H, D), k/v (H_kv, T, D) fp32 with unit last stride -> (H, D): one decode row's attention over keys
+// [0, length) (CPU only; other devices run the torch reference).
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                                double scale);
+
 #ifdef KVBOOST_WITH_CUDA
 void dequant_rerotate_into_cuda(at::TensorList dst_k, at::TensorList dst_v, const at::Tensor& k,
                                 const at::Tensor& v, const std::optional<at::Tensor>& k_scale,
@@ -55,6 +60,10 @@ PlaceGeometry check_place_args(at::TensorList dst_k, at::TensorList dst_v, const
                                const std::optional<at::Tensor>& v_min, int64_t bits, int64_t group_size,
                                int64_t head_dim, int64_t src_start, int64_t length, int64_t dst_start,
                                const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin);
+struct DecodeGeometry {
+  int64_t H, Hkv, D;  // query heads, KV heads, head_dim
+};
+DecodeGeometry check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length);
 void check_quantize_args(const at::Tensor& k, const at::Tensor& v, int64_t bits, int64_t group_size);
 int64_t check_blend_args(const at::Tensor& fresh, const at::Tensor& cached, int64_t k,
                          const std::optional<at::Tensor>& forced_mask);

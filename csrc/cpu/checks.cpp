@@ -111,4 +111,23 @@ int64_t check_blend_args(const at::Tensor& fresh, const at::Tensor& cached, int6
   return n;
 }
 
+DecodeGeometry check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length) {
+  TORCH_CHECK_VALUE(q.dim() == 2 && k.dim() == 3 && k.sizes() == v.sizes(),
+                    "kvboost: decode_attention takes q (H, D) and k/v (H_kv, T, D) of one shape, got ", q.sizes(),
+                    ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                    "kvboost: decode_attention takes float32 q/k/v");
+  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(),
+                    "kvboost: decode_attention's q/k/v are on different devices");
+  const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0);
+  TORCH_CHECK_VALUE(k.size(2) == D, "kvboost: decode_attention's head_dim differs: q ", D, ", k/v ", k.size(2));
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "kvboost: query heads (", H, ") must be a multiple of KV heads (",
+                    Hkv, ")");
+  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, "kvboost: head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1, "kvboost: decode_attention needs k/v rows contiguous");
+  TORCH_CHECK_VALUE(length >= 1 && length <= k.size(1), "kvboost: length must be in [1, ", k.size(1), "], got ",
+                    length);
+  return {H, Hkv, D};
+}
+
 }  // namespace kvboost

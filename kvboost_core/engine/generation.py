@@ -20,6 +20,7 @@ from kvboost_core.decode import (
     process_and_sample,
 )
 from kvboost_core.engine.exact_history import BackfillMixin
+from kvboost_core.kernels import ops
 from kvboost_core.model.forward import decode_step
 from kvboost_core.model.lean import lean_decoder
 from kvboost_core.results import GenerationResult
@@ -137,7 +138,8 @@ class GenerationMixin(BackfillMixin):
             else:
                 self._store_prefix(plan, cache, spec, store_prefix)
 
-        lean = lean_decoder(self.driver) if cache.hf is None else None  # None: the planned forward decodes
+        lean = None if cache.hf is not None else lean_decoder(  # None: the planned forward decodes
+            self.driver, attend=ops.decode_attention if ops.decode_kernel(self.driver.device) else None)
         capacity = cache.keys[0].shape[2]
         all_ids = torch.empty(capacity, dtype=torch.long, device=self.driver.device)
         all_ids[: len(pre.token_ids)] = torch.tensor(pre.token_ids)

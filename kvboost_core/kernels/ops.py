@@ -92,6 +92,10 @@ def _register_fakes() -> None:
                 v.new_empty((L, H, n, dc), dtype=torch.uint8), v.new_empty((L, H, n, -(-D // g)), dtype=torch.float16),
                 v.new_empty((L, H, n, -(-D // g)), dtype=torch.float16))
 
+    @torch.library.register_fake(lib + "decode_attention")
+    def _(q, k, v, length, scale):
+        return q.new_empty(q.shape)
+
     @torch.library.register_fake(lib + "blend_select")
     def _(fresh, cached, k, forced_mask):
         ctx = torch.library.get_ctx()
@@ -197,3 +201,19 @@ def blend_select(fresh: torch.Tensor, cached: torch.Tensor, ratio_or_k: float | 
             and cached.device == fresh.device):
         return torch.ops.kvboost.blend_select(fresh, cached, k, forced_mask)
     return reference.blend_select(fresh, cached, k, forced_mask)
+
+
+# -- one decode row's attention --------------------------------------------------------------------------------
+def decode_kernel(device: torch.device) -> bool:
+    """Whether :func:`decode_attention` runs the native kernel for tensors on ``device`` (CPU only)."""
+    return device.type == "cpu" and _ext_device(device)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """q (H, D), k/v (H_kv, T, D) -> (H, D): one decode row per query head over keys [0, length), query head h
+    reading KV head h // (H / H_kv). fp32 on the CPU runs the native kernel (rows contiguous; K/V read once per
+    KV head; a row's result independent of the thread count); anything else the SDPA reference."""
+    if (q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and decode_kernel(q.device) and k.device == q.device == v.device):
+        return torch.ops.kvboost.decode_attention(q, k, v, int(length), float(scale))
+    return reference.decode_attention(q, k, v, length, scale)

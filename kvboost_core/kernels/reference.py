@@ -8,6 +8,8 @@ what :mod:`kvboost_core.kernels.ops` runs when the extension is not built or the
   fp32 (``rope.rerotate``) and cast back, and both are copied into the per-layer buffers.
 * :func:`quantize_kv` is ``kvboost_core.quant.quantize_k`` + ``quantize_v``.
 * :func:`blend_select` ranks tokens by their squared K deviation (CacheBlend's check layer).
+* :func:`decode_attention` is one decode row's attention, torch's SDPA with GQA. The CPU kernel is not bitwise
+  SDPA (its own fixed summation order and exp); tests/test_kernels.py bounds the difference.
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ def blend_select(fresh: torch.Tensor, cached: torch.Tensor, k: int,
     order = order[torch.sort((~torch.isnan(dev[order])).to(torch.int8), stable=True).indices]
     order = order[torch.sort((~forced[order]).to(torch.int8), stable=True).indices]
     return torch.sort(order[:take]).values
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float
+                     ) -> torch.Tensor:
+    """q (H, D), k/v (H_kv, T, D) -> (H, D): softmax(scale * q . K[:length]) @ V[:length] per query head, query
+    head h reading KV head h // (H / H_kv)."""
+    h, d = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, h, 1, d), k[None, :, :length], v[None, :, :length], scale=scale, enable_gqa=h != k.shape[0])
+    return out.view(h, d)
 
 
 def select_count(ratio_or_k: float | int, n: int) -> int:

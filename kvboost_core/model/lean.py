@@ -15,6 +15,7 @@ rotary q/k without per-head norms), with no sliding window, no logit softcapping
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +26,11 @@ from kvboost_core.model.driver import ModelDriver, ScatterCache
 
 # model_type -> the RMSNorm class name whose forward :func:`_rms` reproduces (weight * x / rms(x), fp32 inside)
 _NORMS = {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "mistral": "MistralRMSNorm"}
+# (q (H, D), keys (H_kv, T, D), values, length, scale) -> (H, D): one decode row's attention over keys [0, length)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 _IMPLS = ("sdpa",)  # eager runs each family's own attention function: not reproduced here
 
-__all__ = ["LeanDecoder", "lean_decoder"]
+__all__ = ["Attend", "LeanDecoder", "lean_decoder"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +98,12 @@ def _eps(norm: Any) -> float:
 class LeanDecoder:
     """Decode steps for one model (see the module docstring). Build it with :func:`lean_decoder`."""
 
-    def __init__(self, driver: ModelDriver) -> None:
+    def __init__(self, driver: ModelDriver, *, attend: Attend | None = None) -> None:
         self.driver = driver
+        # None: SDPA as the planned forward calls it, so the step is bitwise the planned forward's. The engine
+        # passes the native kernel (kvboost_core.kernels.ops.decode_attention) where it runs: faster, not SDPA's
+        # bits (within ~1e-6 of a float64 reference, as SDPA is).
+        self.attend = attend
         inner = driver.inner
         config = driver.model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -131,15 +138,18 @@ class LeanDecoder:
             keys, values = cache.keys[i], cache.values[i]
             keys[:, :, position] = k[:, :, 0].to(keys.dtype)
             values[:, :, position] = v[:, :, 0].to(values.dtype)
-            o = F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=ly.scaling,
-                                               enable_gqa=gqa)  # (1, H, 1, D)
-            x = x + ly.o(o.transpose(1, 2).reshape(1, 1, heads * hd))
+            if self.attend is not None:
+                o = self.attend(q.view(heads, hd), keys[0], values[0], length, ly.scaling)  # (H, D)
+            else:
+                o = F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=ly.scaling,
+                                                   enable_gqa=gqa).transpose(1, 2)  # (1, 1, H, D)
+            x = x + ly.o(o.reshape(1, 1, heads * hd))
             h = _rms(x, ly.norm2, ly.eps2)
             x = x + ly.down(F.silu(ly.gate(h)) * ly.up(h))
         return d.model.lm_head(_rms(x, self.norm, self.norm_eps))[0, -1]  # (V,)
 
 
-def lean_decoder(driver: ModelDriver) -> LeanDecoder | None:
-    """A :class:`LeanDecoder` for ``driver``'s model, or None where it would not be exact (the planned forward
-    then decodes)."""
-    return None if _why_not(driver) is not None else LeanDecoder(driver)
+def lean_decoder(driver: ModelDriver, *, attend: Attend | None = None) -> LeanDecoder | None:
+    """A :class:`LeanDecoder` for ``driver``'s model, or None where it would not reproduce the planned forward's
+    operations (the planned forward then decodes). ``attend``: as :class:`LeanDecoder`'s."""
+    return None if _why_not(driver) is not None else LeanDecoder(driver, attend=attend)
