@@ -139,3 +139,45 @@ def test_generate_gives_the_same_tokens_and_text_with_and_without_it(tokenizer, 
     monkeypatch.setattr(generation, "lean_decoder", lambda driver, **kw: None)
     without = engine.generate(prompt, **kw)
     assert with_lean.token_ids == without.token_ids and with_lean.text == without.text
+
+
+def _rows_logits(model, lengths, keep: int, attend_native: bool):
+    """Row ``keep``'s logits over 3 steps, the rows of ``lengths`` prefilled with random K/V."""
+    from kvboost_core.serving.batch import BatchedDecoder
+
+    driver = ModelDriver.for_model(model)
+    dec = BatchedDecoder(driver, 4)
+    assert dec._lean is not None
+    if not attend_native:
+        dec._lean = lean_decoder(driver)
+    cfg = model.config
+    slots = []
+    for n in lengths:  # every request's own prefix: the same seed per length, whatever the batch
+        gr = torch.Generator().manual_seed(n)
+        kv = [torch.randn(1, cfg.num_key_value_heads, n, cfg.head_dim, generator=gr)
+              for _ in range(2 * driver.num_layers)]
+        slots.append(dec.add(kv[::2], kv[1::2], n, n + 8))
+    out = []
+    for step in range(3):
+        logits = dec.step({s: 3 + (s.capacity + step) % 50 for s in slots})
+        out.append(logits[slots[keep]])
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_the_batched_lean_step_gives_a_row_the_same_bits_alone_and_beside_others(native, weights):
+    if native and not kernels.has_ext():
+        pytest.skip("kvboost_core._C not built")
+    model = _varied(make_tiny_model("llama"))
+    if weights == "fp16":
+        pack(model, "fp16")
+    alone = _rows_logits(model, [37], 0, native)
+    among = _rows_logits(model, [12, 37, 70], 1, native)
+    assert all(torch.equal(a, b) for a, b in zip(alone, among))
+
+
+def test_the_batched_decoder_keeps_hfs_layers_for_models_lean_does_not_serve():
+    from kvboost_core.serving.batch import BatchedDecoder
+
+    assert BatchedDecoder(ModelDriver.for_model(make_tiny_model("mistral", sliding_window=16)), 2)._lean is None

@@ -148,6 +148,47 @@ class LeanDecoder:
             x = x + ly.down(F.silu(ly.gate(h)) * ly.up(h))
         return d.model.lm_head(_rms(x, self.norm, self.norm_eps))[0, -1]  # (V,)
 
+    @torch.inference_mode()
+    def step_rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
+                  values: list[torch.Tensor]) -> torch.Tensor:
+        """One token for each of ``n`` rows (the batched server's step): row ``i`` runs ``tokens[i]`` at
+        ``positions[i]``, its K/V written into row ``i`` of the per-layer (rows, H_kv, T, D) buffers, and attends
+        to its own slots [0, positions[i]] only, one attention call per row (so its result cannot depend on the
+        other rows; the linear layers' batch invariance is the caller's: ``serving.invariant.row_tiled``).
+        Returns the logits (n, V)."""
+        d = self.driver
+        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
+        n = tokens.numel()
+        pos = torch.tensor(positions, device=tokens.device)
+        rows = torch.arange(n, device=tokens.device)
+        x = d.inner.embed_tokens(tokens.view(n, 1))  # (n, 1, C)
+        cos, sin = d.inner.rotary_emb(x, position_ids=pos.view(n, 1))  # (n, 1, D)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (n, 1, 1, D)
+        gqa = heads != kv
+        for i, ly in enumerate(self.layers):
+            h = _rms(x, ly.norm1, ly.eps1)
+            q = ly.q(h).view(n, 1, heads, hd).transpose(1, 2)  # (n, H, 1, D)
+            k = ly.k(h).view(n, 1, kv, hd).transpose(1, 2)  # (n, H_kv, 1, D)
+            v = ly.v(h).view(n, 1, kv, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kb, vb = keys[i], values[i]
+            kb[rows, :, pos] = k[:, :, 0].to(kb.dtype)  # (n, H_kv, D) into row r, slot pos_r
+            vb[rows, :, pos] = v[:, :, 0].to(vb.dtype)
+            outs = []
+            for r, p in enumerate(positions):
+                if self.attend is not None:
+                    outs.append(self.attend(q[r].reshape(heads, hd), kb[r], vb[r], p + 1, ly.scaling))
+                else:
+                    outs.append(F.scaled_dot_product_attention(
+                        q[r:r + 1], kb[r:r + 1, :, :p + 1], vb[r:r + 1, :, :p + 1], scale=ly.scaling,
+                        enable_gqa=gqa).view(heads, hd))
+            o = torch.stack(outs)  # (n, H, D)
+            x = x + ly.o(o.reshape(n, 1, heads * hd))
+            h = _rms(x, ly.norm2, ly.eps2)
+            x = x + ly.down(F.silu(ly.gate(h)) * ly.up(h))
+        return d.model.lm_head(_rms(x, self.norm, self.norm_eps))[:, -1]  # (n, V)
+
 
 def lean_decoder(driver: ModelDriver, *, attend: Attend | None = None) -> LeanDecoder | None:
     """A :class:`LeanDecoder` for ``driver``'s model, or None where it would not reproduce the planned forward's

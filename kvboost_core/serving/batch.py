@@ -36,8 +36,10 @@ from typing import Any
 import torch
 
 from kvboost_core.call_options import CallOptions, call_options
+from kvboost_core.kernels import ops
 from kvboost_core.model import attention
 from kvboost_core.model.driver import ModelDriver
+from kvboost_core.model.lean import lean_decoder
 from kvboost_core.results import PrefillResult
 from kvboost_core.serving.backfill import BackfillJob, conversation_job
 from kvboost_core.serving.invariant import row_tiled, rowwise_attention
@@ -216,6 +218,9 @@ class BatchedDecoder:
         self._capacity = 0
         heads = [driver.model.get_output_embeddings()]
         self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
+        # A Llama-shaped model steps through the lean decoder (kvboost_core.model.lean), each row's attention its
+        # own call (the native decode kernel on the CPU); anything else through the HF layers below.
+        self._lean = lean_decoder(driver, attend=ops.decode_attention if ops.decode_kernel(driver.device) else None)
 
     # ------------------------------------------------------------------ membership
     @property
@@ -319,6 +324,11 @@ class BatchedDecoder:
         lengths = [s.length + 1 for s in self._slots]  # each row attends to its prompt, tokens and this token
         length = max(lengths)
         self._ensure(length)
+        if self._lean is not None:
+            with row_tiled(self._linears) if self.deterministic else contextlib.nullcontext():
+                logits = self._lean.step_rows(torch.tensor([tokens[s] for s in self._slots], device=dev),
+                                              [s.length for s in self._slots], self._keys, self._values).float()
+            return self._advance(logits)
         ids = torch.tensor([tokens[s] for s in self._slots], device=dev).view(n, 1)
         pos = torch.tensor([s.length for s in self._slots], device=dev)
         hidden = a.inner.embed_tokens(ids)  # (n, 1, hidden)
@@ -332,6 +342,9 @@ class BatchedDecoder:
                                             use_cache=True)
                 hidden = out[0] if isinstance(out, tuple) else out
             logits = a.logits(hidden)[:, -1].float()  # (n, vocab)
+        return self._advance(logits)
+
+    def _advance(self, logits: torch.Tensor) -> dict[BatchSlot, torch.Tensor]:
         result = {}
         for i, s in enumerate(self._slots):
             s.length += 1
