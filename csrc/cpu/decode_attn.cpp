@@ -1,11 +1,11 @@
 // One decode row's attention on CPU, fp32: out[h] = softmax(scale * q[h] . K[kv(h), :length]) @ V[kv(h), :length].
 //
 // Decode attention is one query row per head over the whole context, which torch's fused CPU kernel (flash
-// SDPA) splits for long queries and runs far from the memory bound here (SmolLM2 at 1.8K tokens: 10 ms of a
-// 30 ms step for 83 MB of fp32 K/V). This kernel reads each KV head's keys and values once for all the query
-// heads that share it (GQA), in two passes: scores for every row, then the weighted sum of values.
+// SDPA) is not built for (SmolLM2 at 1.8K tokens: 10 ms of a 30 ms step for 83 MB of fp32 K/V). This kernel
+// runs each query row in two passes over its KV head (GQA: rows of one KV head share it): scores, then the
+// weighted sum of values, with the row's accumulators in registers.
 //
-// Results depend on the row alone: a KV head is computed by one thread, in a fixed order, whatever the thread
+// Results depend on the row alone: a row is computed by one thread, in a fixed order, whatever the thread
 // count or the other rows, so the batched server's rows are batch-invariant through it. Numerics: fp32
 // products and sums (8 lanes, then a fixed pairwise reduction), exp from a degree-6 polynomial of the Cephes
 // form (relative error about 2e-7 against the correctly rounded exp). Not bitwise torch's SDPA; the torch
@@ -94,7 +94,7 @@ static inline float softmax_numer(float* s, int64_t n) {
 }
 
 // dot(q, k) over D values: with AVX2 and D = 8 * NV, eight lanes per register, the registers summed as a
-// balanced tree, then the lanes (hsum8); otherwise a scalar loop. Either way one fixed order.
+// balanced tree, then the lanes (hsum8): one fixed order (row_scalar sums in order where D is not 16/32/64/128).
 #ifdef __AVX2__
 template <int NV>
 static inline float dot_v(const __m256* q, const float* k) {
@@ -118,47 +118,34 @@ static inline void weighted_rows(float* out, const float* w, const float* v, int
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
+// One query row: scores over its n keys into s[0:n], softmax, then the weighted sum of values into out[0:D].
 template <int NV>
-static void head_v(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
-                   int64_t group, float sc, float* s, float* out) {
-  for (int64_t r = 0; r < group; ++r) {
-    __m256 qv[NV];
-    for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + r * 8 * NV + 8 * i);
-    float* sr = s + r * n;
-    for (int64_t t = 0; t < n; ++t) sr[t] = dot_v<NV>(qv, kh + t * k_row) * sc;
-  }
-  for (int64_t r = 0; r < group; ++r) {
-    float* sr = s + r * n;
-    const float inv = 1.0f / softmax_numer(sr, n);
-    float* o = out + r * 8 * NV;
-    weighted_rows<NV>(o, sr, vh, v_row, n);
-    for (int i = 0; i < 8 * NV; ++i) o[i] *= inv;
-  }
+static void row_v(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
+                  float sc, float* s, float* out) {
+  __m256 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  for (int64_t t = 0; t < n; ++t) s[t] = dot_v<NV>(qv, kh + t * k_row) * sc;
+  const float inv = 1.0f / softmax_numer(s, n);
+  weighted_rows<NV>(out, s, vh, v_row, n);
+  for (int i = 0; i < 8 * NV; ++i) out[i] *= inv;
 }
 #endif
 
-static void head_scalar(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
-                        int64_t group, int64_t D, float sc, float* s, float* out) {
-  for (int64_t r = 0; r < group; ++r) {
-    const float* qr = q + r * D;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kt = kh + t * k_row;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kt[d];
-      s[r * n + t] = acc * sc;
-    }
+static void row_scalar(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
+                       int64_t D, float sc, float* s, float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = kh + t * k_row;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * kt[d];
+    s[t] = acc * sc;
   }
-  for (int64_t r = 0; r < group; ++r) {
-    float* sr = s + r * n;
-    const float inv = 1.0f / softmax_numer(sr, n);
-    float* o = out + r * D;
-    std::fill(o, o + D, 0.0f);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vt = vh + t * v_row;
-      for (int64_t d = 0; d < D; ++d) o[d] += sr[t] * vt[d];
-    }
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  const float inv = 1.0f / softmax_numer(s, n);
+  std::fill(out, out + D, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = vh + t * v_row;
+    for (int64_t d = 0; d < D; ++d) out[d] += s[t] * vt[d];
   }
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 }  // namespace
@@ -175,20 +162,20 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t group = g.H / g.Hkv, D = g.D, n = length;
   const int64_t k_head = k.stride(0), k_row = k.stride(1), v_head = v.stride(0), v_row = v.stride(1);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, g.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(static_cast<size_t>(group * n));
-    for (int64_t kv = begin; kv < end; ++kv) {
-      const float* qh = qp + kv * group * D;
-      const float* kh = kp + kv * k_head;
-      const float* vh = vp + kv * v_head;
-      float* oh = op + kv * group * D;
+  at::parallel_for(0, g.H, 1, [&](int64_t begin, int64_t end) {  // query heads: 9 split 5 + 4 on 2 threads
+    std::vector<float> s(static_cast<size_t>(n));
+    for (int64_t h = begin; h < end; ++h) {
+      const float* qh = qp + h * D;
+      const float* kh = kp + (h / group) * k_head;  // a thread's consecutive rows share a KV head: from cache
+      const float* vh = vp + (h / group) * v_head;
+      float* oh = op + h * D;
 #ifdef __AVX2__
-      if (D == 64) { head_v<8>(qh, kh, vh, k_row, v_row, n, group, sc, s.data(), oh); continue; }
-      if (D == 128) { head_v<16>(qh, kh, vh, k_row, v_row, n, group, sc, s.data(), oh); continue; }
-      if (D == 32) { head_v<4>(qh, kh, vh, k_row, v_row, n, group, sc, s.data(), oh); continue; }
-      if (D == 16) { head_v<2>(qh, kh, vh, k_row, v_row, n, group, sc, s.data(), oh); continue; }
+      if (D == 64) { row_v<8>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
+      if (D == 128) { row_v<16>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
+      if (D == 32) { row_v<4>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
+      if (D == 16) { row_v<2>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
 #endif
-      head_scalar(qh, kh, vh, k_row, v_row, n, group, D, sc, s.data(), oh);
+      row_scalar(qh, kh, vh, k_row, v_row, n, D, sc, s.data(), oh);
     }
   });
   return out;
