@@ -740,6 +740,22 @@ def precision_table(result: dict[str, Any]) -> str:
             f"{result['first_token_kl_max']:.1e} |\n")
 
 
+def decode_step_table(result: dict[str, Any]) -> str:
+    """#35: one decode step through the planned forward, the lean step with SDPA and with the native attention."""
+    lines = [f"{result['model']}, one decode step after {result['context']} tokens, medians of {result['steps']} "
+             "steps, each path from its own copy of one prefilled cache, side by side in one process:", "",
+             "| threads | weights | planned forward | lean step, SDPA | lean step, native attention | "
+             "attention alone: SDPA / native / read floor | lean SDPA bitwise | native max logit diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        s, a = r["step_ms"], r["attention_ms"]
+        lines.append(f"| {r['threads']} | {r['weights']} | {s['planned']:.1f} ms | {s['lean_sdpa']:.1f} ms | "
+                     f"{s['lean_native']:.1f} ms ({_fmt_speedup(s['planned'] / s['lean_native'])}) | "
+                     f"{a['sdpa']:.1f} / {a['native']:.1f} / {a['read_floor']:.1f} ms | "
+                     f"{'yes' if r['lean_sdpa_bitwise'] else 'no'} | {r['lean_native_max_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def decode_line(result: dict[str, Any]) -> str:
     """README's line from #35: decode tokens/s at fp16 against fp32 and llama.cpp, per thread count."""
     parts = []
@@ -791,6 +807,7 @@ TABLES = (
     Table("chat_turns_line", ("chat_turns.json",), chat_turns_line),
     Table("backfill_stall", ("backfill_stall.json",), backfill_stall_table),
     Table("decode", ("decode.json",), decode_table),
+    Table("decode_step", ("decode_step.json",), decode_step_table),
     Table("decode_line", ("decode.json",), decode_line),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )

@@ -22,3 +22,20 @@ def test_runners_decode_the_same_tokens(tokenizer):
     assert kv["tokens"] == hf["tokens"]
     for r in (hf, kv):
         assert 0 < r["ttft_s"] <= r["total_s"] and r["decode_s"] > 0
+
+
+def test_the_decode_step_ablation_runs_each_path_from_the_same_cache(tokenizer):
+    from kvboost_core import kernels
+    from kvboost_rag.app.bench.decode_step import PATHS, measure
+
+    engine = engine_for(make_tiny_model("llama"), tokenizer)
+    if not kernels.has_ext():
+        import pytest
+
+        with pytest.raises(ValueError, match="native decode attention"):
+            measure(engine, 40, 4)
+        return
+    r = measure(engine, 40, 4)
+    assert set(r["step_ms"]) == set(PATHS) and all(v > 0 for v in r["step_ms"].values())
+    assert r["lean_sdpa_bitwise"] and r["lean_native_max_diff"] < 1e-4
+    assert set(r["attention_ms"]) == {"sdpa", "native", "read_floor"}
