@@ -753,6 +753,13 @@ def decode_step_table(result: dict[str, Any]) -> str:
                      f"{s['lean_native']:.1f} ms ({_fmt_speedup(s['planned'] / s['lean_native'])}) | "
                      f"{a['sdpa']:.1f} / {a['native']:.1f} / {a['read_floor']:.1f} ms | "
                      f"{'yes' if r['lean_sdpa_bitwise'] else 'no'} | {r['lean_native_max_diff']:.1e} |")
+    compiled = [r for r in result["runs"] if "lean_native_compiled" in r["step_ms"]]
+    if compiled:
+        lines += ["", "The lean step with the native attention through `torch.compile` (inductor, dynamic shapes): "
+                  + "; ".join(f"{r['threads']} thread(s), {r['weights']}: {r['step_ms']['lean_native_compiled']:.1f} ms "
+                              f"({_fmt_speedup(r['step_ms']['lean_native'] / r['step_ms']['lean_native_compiled'])} "
+                              f"than eager), {r['compile_s']:.1f} s of warm-up" for r in compiled)
+                  + ". Not used: it is no faster here."]
     return "\n".join(lines) + "\n"
 
 

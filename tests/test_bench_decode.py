@@ -39,3 +39,5 @@ def test_the_decode_step_ablation_runs_each_path_from_the_same_cache(tokenizer):
     assert set(r["step_ms"]) == set(PATHS) and all(v > 0 for v in r["step_ms"].values())
     assert r["lean_sdpa_bitwise"] and r["lean_native_max_diff"] < 1e-4
     assert set(r["attention_ms"]) == {"sdpa", "native", "read_floor"}
+    c = measure(engine, 40, 2, compile=True)
+    assert c["step_ms"]["lean_native_compiled"] > 0 and c["compile_s"] > 0 and c["compiled_max_diff"] < 1e-4
