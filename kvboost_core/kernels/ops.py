@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -207,6 +207,13 @@ def blend_select(fresh: torch.Tensor, cached: torch.Tensor, ratio_or_k: float | 
 def decode_kernel(device: torch.device) -> bool:
     """Whether :func:`decode_attention` runs the native kernel for tensors on ``device`` (CPU only)."""
     return device.type == "cpu" and _ext_device(device)
+
+
+def decode_attend(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The attention a lean decode step (``kvboost_core.model.lean.lean_decoder(attend=)``) runs on ``device``:
+    :func:`decode_attention` where the native kernel runs, else None (the step's own SDPA, bitwise the planned
+    forward's). One choice for every decode loop: ``generate``/``stream`` and the batched server."""
+    return decode_attention if decode_kernel(device) else None
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:

@@ -119,34 +119,10 @@ class LeanDecoder:
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: int, cache: ScatterCache) -> torch.Tensor:
         """Run ``token`` (a 1-element long tensor) at ``position``, attending to slots [0, position] of ``cache``
-        (its K/V written there); returns the logits (vocab,)."""
-        d = self.driver
-        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
-        length = position + 1
-        x = d.inner.embed_tokens(token.view(1, 1))  # (1, 1, C)
-        cos, sin = d.inner.rotary_emb(x, position_ids=torch.tensor([[position]], device=x.device))  # (1, 1, D)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, 1, D): broadcast over heads
-        gqa = heads != kv
-        cache.length = length
-        for i, ly in enumerate(self.layers):
-            h = _rms(x, ly.norm1, ly.eps1)
-            q = ly.q(h).view(1, 1, heads, hd).transpose(1, 2)  # (1, H, 1, D)
-            k = ly.k(h).view(1, 1, kv, hd).transpose(1, 2)  # (1, H_kv, 1, D)
-            v = ly.v(h).view(1, 1, kv, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = cache.keys[i], cache.values[i]
-            keys[:, :, position] = k[:, :, 0].to(keys.dtype)
-            values[:, :, position] = v[:, :, 0].to(values.dtype)
-            if self.attend is not None:
-                o = self.attend(q.view(heads, hd), keys[0], values[0], length, ly.scaling)  # (H, D)
-            else:
-                o = F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=ly.scaling,
-                                                   enable_gqa=gqa).transpose(1, 2)  # (1, 1, H, D)
-            x = x + ly.o(o.reshape(1, 1, heads * hd))
-            h = _rms(x, ly.norm2, ly.eps2)
-            x = x + ly.down(F.silu(ly.gate(h)) * ly.up(h))
-        return d.model.lm_head(_rms(x, self.norm, self.norm_eps))[0, -1]  # (V,)
+        (its K/V written there); returns the logits (vocab,). One row of :meth:`step_rows`: the same operations on
+        the same shapes as a one-row step, so the bits are the same."""
+        cache.length = position + 1
+        return self._rows(token.view(1), [position], cache.keys, cache.values)[0]
 
     @torch.inference_mode()
     def step_rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
@@ -156,6 +132,10 @@ class LeanDecoder:
         to its own slots [0, positions[i]] only, one attention call per row (so its result cannot depend on the
         other rows; the linear layers' batch invariance is the caller's: ``serving.invariant.row_tiled``).
         Returns the logits (n, V)."""
+        return self._rows(tokens, positions, keys, values)
+
+    def _rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
+              values: list[torch.Tensor]) -> torch.Tensor:
         d = self.driver
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         n = tokens.numel()

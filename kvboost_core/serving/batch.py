@@ -220,7 +220,7 @@ class BatchedDecoder:
         self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
         # A Llama-shaped model steps through the lean decoder (kvboost_core.model.lean), each row's attention its
         # own call (the native decode kernel on the CPU); anything else through the HF layers below.
-        self._lean = lean_decoder(driver, attend=ops.decode_attention if ops.decode_kernel(driver.device) else None)
+        self._lean = lean_decoder(driver, attend=ops.decode_attend(driver.device))
 
     # ------------------------------------------------------------------ membership
     @property
