@@ -5,7 +5,10 @@ The engine's public methods (``generate``, ``stream``, ``prefill``) take flat ke
 every value is checked as :class:`~kvboost_core.config.EngineConfig` checks its own, and the repair settings
 become one :class:`~kvboost_core.repair.RepairSpec` (the config's, with the call's overrides). Everything below
 the edge (prefill, the canonical job, the server's batch prefill, backfill) reads that value and never the loose
-keywords again, so the ``repair`` setting can be followed from a skin's call to the forward as one object.
+keywords again. A caller may build it earlier with ``KVEngine.call_options(...)`` and pass it as ``options=``; the
+framework skins do, at their own entry (``kvboost_rag.options.typed_call`` -> ``KVBoostRAG.generate(call_options=)``
+-> ``KVEngine.generate(options=)``), so the ``repair`` setting can be followed from a skin's call to the forward as
+one object.
 
 :data:`~kvboost_core.config.REPAIR_OPTIONS` is the one list of per-call repair names: the engine's keywords and
 the skins' per-call options (``kvboost_rag.options.ENGINE_KEYS``) read it.

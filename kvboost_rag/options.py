@@ -103,6 +103,16 @@ def merge_call_options(defaults: Mapping[str, Any], kwargs: Mapping[str, Any], a
     return {**defaults, **kw}
 
 
+def typed_call(rag: Any, merged: Mapping[str, Any]) -> dict[str, Any]:
+    """A skin's merged per-call options (:func:`merge_call_options`) as ``KVBoostRAG.generate``/``stream`` take
+    them: the engine's options (repair, recompute_ratio, store_prefix, add_special_tokens, ...) built once into one
+    checked ``CallOptions`` (``call_options=``), beside the sampling settings and ``kv_documents``. So a skin's
+    ``repair`` travels from its entry to the forward as one typed value, and a bad one fails at the skin's call."""
+    engine = {k: v for k, v in merged.items() if k in ENGINE_KEYS and k != "kv_documents"}
+    rest = {k: v for k, v in merged.items() if k not in engine}
+    return {**rest, "call_options": rag.call_options(**engine)}
+
+
 def pipeline_options(task: str | None, pipeline_kwargs: Mapping[str, Any] | None,
                      *, budget_name: str, source: str = "pipeline_kwargs") -> dict[str, Any]:
     """``HuggingFacePipeline``-style ``task``/``pipeline_kwargs`` -> this skin's field values.

@@ -19,13 +19,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvboost_core import GenerationResult, KVEngine, Segment, StopGeneration, cache_counts
+from kvboost_core.call_options import CallOptions
 from kvboost_core.chunking import common_prefix
 from kvboost_core.segments import check_utf8, lead_token_ids
-from kvboost_rag.chat_turns import history_messages, turn_end_text
+from kvboost_rag.chat_turns import check_chat_messages, history_messages, turn_end_text
 from kvboost_rag.documents import document_texts
 from kvboost_rag.locate import align
 from kvboost_rag.misses import MissWarning, unwarmed_in_prompt
@@ -84,25 +85,6 @@ def doc_stats(ranges: Sequence[tuple[int, int]], stats: dict[str, Any]) -> dict[
     return {"doc_tokens": sum(b - a for a, b in ranges), "doc_tokens_reused": in_exact + in_repaired + content,
             "doc_tokens_recomputed": content - counts.replaced_cached - counts.replaced_approximate,
             "doc_tokens_kept": cached + approx, "doc_tokens_cached": cached, "doc_tokens_approximate": approx}
-
-
-def check_chat_messages(messages: Any) -> None:
-    """Chat messages as chat templates take them (``[{"role", "content", ...}]``), checked before rendering, so
-    a caller's mistake is an error naming the message instead of the tokenizer's bare TypeError later, or
-    nothing at all. ``content`` is text: a lone surrogate is a ValueError, as the engine says of a prompt; ``None``
-    is a TypeError (it rendered as an empty message), except on an assistant message carrying ``tool_calls``
-    (OpenAI's shape). Other content (a list of parts) is left to the template."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        content = m.get("content")
-        if isinstance(content, str):
-            check_utf8(content, f"messages[{i}].content")
-        elif content is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
-            raise TypeError(f"messages[{i}] (role {m.get('role')!r}) has no content (None); give it text, \"\" "
-                            "for an empty message")
 
 
 class KVBoostRAG:
@@ -327,41 +309,53 @@ class KVBoostRAG:
         if self.options.auto_warm:
             self.warm_documents(plan.unwarmed, show_progress=False)
 
+    def _prepare(self, prompt: str, kv_documents: Any, chat_history: str | None, options: CallOptions | None,
+                 engine_kw: dict[str, Any]) -> tuple[PromptPlan, CallOptions, float]:
+        """(the plan, the engine's options with the chat turn's history and no lead (the plan holds it), seconds)."""
+        t0 = time.perf_counter()
+        opts = self.engine.call_options(options, **engine_kw)
+        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=opts.add_special_tokens)
+        turn = self.chat_turn(plan, chat_history, self._special(opts.add_special_tokens))
+        if turn and opts.chat:
+            raise TypeError("pass chat_history= or history_tokens=, not both (chat_history= computes it)")
+        return plan, replace(opts, add_special_tokens=False, **turn), time.perf_counter() - t0
+
     def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
-                 chat_history: str | None = None, **engine_kw: Any) -> GenerationResult:
-        """Generate a completion of ``prompt``; ``engine_kw`` (repair, recompute_ratio, store_prefix,
-        add_special_tokens, ...) go to the engine for this call. ``chat_history`` (:meth:`chat_history`) makes
-        it a chat turn: its history exact, backfilled for the next turn."""
-        t0 = time.perf_counter()
-        special = engine_kw.pop("add_special_tokens", None)
-        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
-        turn = self.chat_turn(plan, chat_history, self._special(special))
-        plan_s = time.perf_counter() - t0
+                 chat_history: str | None = None, call_options: CallOptions | None = None,
+                 **engine_kw: Any) -> GenerationResult:
+        """Generate a completion of ``prompt``. The engine's per-call options (repair, recompute_ratio,
+        store_prefix, add_special_tokens, ...) come as keywords ``engine_kw``, or built once as ``call_options=``
+        (:meth:`call_options`); ``logits_processor`` goes to the engine too. ``chat_history``
+        (:meth:`chat_history`) makes it a chat turn: its history exact, backfilled for the next turn."""
+        processor = engine_kw.pop("logits_processor", None)
+        plan, opts, plan_s = self._prepare(prompt, kv_documents, chat_history, call_options, engine_kw)
         result = self.engine.generate(plan.segments, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, stop=stop, seed=seed, add_special_tokens=False, **turn, **engine_kw)
+                                      top_p=top_p, stop=stop, seed=seed, logits_processor=processor, options=opts)
         self._record(result, plan, plan_s)
         return result
 
     def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                stop: str | Sequence[str] | None = None, seed: int | None = None, kv_documents: Any = None,
                on_result: Callable[[GenerationResult, dict[str, Any]], None] | None = None,
-               chat_history: str | None = None, **engine_kw: Any) -> Iterator[str]:
+               chat_history: str | None = None, call_options: CallOptions | None = None,
+               **engine_kw: Any) -> Iterator[str]:
         """Yield text pieces; ``last_stats``/``last_result`` are set once the stream is exhausted, and
         ``on_result(result, stats)`` is called with this stream's own result (safe under concurrency).
-        ``chat_history``: as in :meth:`generate`."""
-        t0 = time.perf_counter()
-        special = engine_kw.pop("add_special_tokens", None)
-        plan = self.plan(prompt, kv_documents=kv_documents, add_special_tokens=special)
-        turn = self.chat_turn(plan, chat_history, self._special(special))
-        plan_s = time.perf_counter() - t0
+        ``chat_history``, ``call_options`` and ``engine_kw``: as in :meth:`generate`."""
+        processor = engine_kw.pop("logits_processor", None)
+        plan, opts, plan_s = self._prepare(prompt, kv_documents, chat_history, call_options, engine_kw)
         stream = self.engine.stream(plan.segments, max_new_tokens, temperature, top_p, stop, seed,
-                                    add_special_tokens=False, **turn, **engine_kw)
+                                    logits_processor=processor, options=opts)
         yield from stream
         if stream.result is not None:
             stats = self._record(stream.result, plan, plan_s)
             if on_result is not None:
                 on_result(stream.result, stats)
+
+    def call_options(self, **engine_kw: Any) -> CallOptions:
+        """``engine_kw`` as one checked value for ``call_options=`` (:meth:`KVEngine.call_options`)."""
+        return self.engine.call_options(**engine_kw)
 
 
 def load_engine(model_id: str, *, device: Any = None, dtype: Any = None, device_map: Any = None,

@@ -113,3 +113,98 @@ def test_both_skins_apply_the_same_rule_to_conflicting_keys(engine: KVEngine) ->
     for skin in skins:  # an option neither uses is refused by both
         with pytest.raises(TypeError, match="top_k"):
             skin.invoke("one", top_k=3) if hasattr(skin, "invoke") else skin.complete("one", top_k=3)
+
+
+def test_options_built_once_equal_the_keywords(engine: KVEngine) -> None:
+    """options= (built by engine.call_options) is the keywords' call: the same tokens; both at once, or a value
+    of another type, is a TypeError naming it."""
+    by_kw = engine.generate("one two three", max_new_tokens=3, repair="selective", recompute_ratio=0.5)
+    built = engine.call_options(repair="selective", recompute_ratio=0.5)
+    assert engine.generate("one two three", max_new_tokens=3, options=built).token_ids == by_kw.token_ids
+    assert "".join(engine.stream("one two three", 3, options=built)) == by_kw.text
+    with pytest.raises(TypeError, match="not both"):
+        engine.generate("one", max_new_tokens=1, options=built, repair="full")
+    with pytest.raises(TypeError, match="options must be a kvboost_core CallOptions"):
+        engine.generate("one", max_new_tokens=1, options={"repair": "full"})
+
+
+def _spy_options(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[int]]:
+    """(what each KVBoostRAG.generate/stream call got as call_options=, one entry per CallOptions built from
+    keywords). A call given loose engine keywords records them instead, so the test below fails on it."""
+    from kvboost_core.engine import generation
+    from kvboost_rag import KVBoostRAG
+
+    seen: list[Any] = []
+    built: list[int] = []
+    real_generate, real_stream, real_build = KVBoostRAG.generate, KVBoostRAG.stream, generation.call_options
+
+    def record(k: dict[str, Any]) -> None:
+        loose = sorted(set(k) & set(CALL_OPTIONS))
+        seen.append(loose or k.get("call_options"))
+
+    def spy_generate(self: Any, *a: Any, **k: Any) -> Any:
+        record(k)
+        return real_generate(self, *a, **k)
+
+    def spy_stream(self: Any, *a: Any, **k: Any) -> Any:
+        record(k)
+        return real_stream(self, *a, **k)
+
+    def spy_build(*a: Any, **k: Any) -> Any:
+        built.append(1)
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(KVBoostRAG, "generate", spy_generate)
+    monkeypatch.setattr(KVBoostRAG, "stream", spy_stream)
+    monkeypatch.setattr(generation, "call_options", spy_build)
+    return seen, built
+
+
+def test_each_skin_carries_the_repair_setting_as_one_value(engine: KVEngine, monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """From a skin's entry to the engine, a call's options are one CallOptions, built once per call: the
+    skin's field and the call's override both land in it (issue 34: the repair setting followed as one value)."""
+    lc = pytest.importorskip("langchain_kvboost")
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.kvboost import KVBoostLLM as LlamaIndexLLM
+
+    seen, built = _spy_options(monkeypatch)
+    calls = [
+        lambda: lc.KVBoostLLM(engine=engine, max_tokens=2, repair="full").invoke("one two"),
+        lambda: "".join(lc.KVBoostLLM(engine=engine, max_tokens=2, repair="full").stream("one two")),
+        lambda: LlamaIndexLLM(engine=engine, max_new_tokens=2, repair="full").complete("one two"),
+        lambda: "".join(r.delta or "" for r in
+                        LlamaIndexLLM(engine=engine, max_new_tokens=2, repair="full").stream_complete("one two")),
+    ]
+    if getattr(engine.tokenizer, "chat_template", None):
+        calls += [
+            lambda: lc.ChatKVBoost(engine=engine, max_tokens=2, repair="full").invoke("one two"),
+            lambda: LlamaIndexLLM(engine=engine, max_new_tokens=2, repair="full").chat(
+                [ChatMessage(role="user", content="one two")]),
+        ]
+    for call in calls:
+        seen.clear(), built.clear()
+        call()
+        assert len(seen) == 1 and isinstance(seen[0], CallOptions) and seen[0].spec.repair == "full"
+        assert len(built) == 1  # once, at the skin's entry
+    seen.clear()
+    lc.KVBoostLLM(engine=engine, max_tokens=2, repair="full").invoke("one two", recompute_ratio=0.4,
+                                                                      repair="selective")
+    assert (seen[0].spec.repair, seen[0].spec.recompute_ratio) == ("selective", 0.4)
+    with pytest.raises(ValueError, match="recompute_ratio"):  # checked at the skin's call, before any compute
+        LlamaIndexLLM(engine=engine, max_new_tokens=2).complete("one", recompute_ratio=2.0)
+
+
+def test_rag_takes_call_options_or_keywords(engine: KVEngine) -> None:
+    from kvboost_rag import KVBoostRAG
+
+    rag = KVBoostRAG(engine)
+    a = rag.generate("one two three", max_new_tokens=3, repair="none", store_prefix=False)
+    b = rag.generate("one two three", max_new_tokens=3,
+                     call_options=rag.call_options(repair="none", store_prefix=False))
+    assert a.token_ids == b.token_ids
+    with pytest.raises(TypeError, match="not both"):
+        rag.generate("one", max_new_tokens=1, call_options=rag.call_options(), repair="full")
+    with pytest.raises(TypeError, match="chat_history= or history_tokens="):
+        rag.generate("one two", max_new_tokens=1, chat_history="one", history_tokens=1)

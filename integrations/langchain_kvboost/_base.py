@@ -15,6 +15,7 @@ from kvboost_rag.options import (
     merge_call_options,
     pipeline_options,
     split_model_kwargs,
+    typed_call,
 )
 from langchain_kvboost._retrieval import watch_retrievals
 
@@ -145,10 +146,13 @@ class KVBoostFields(BaseModel):
         return self.rag.warm_documents(docs, batch_size=batch_size, show_progress=show_progress,
                                        progress=progress)
 
-    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any],
+                      add_special_tokens: bool | None = None) -> dict[str, Any]:
         """Merge instance defaults with per-call overrides (LangChain passes bound kwargs here) by the rule both
         skins share (:func:`kvboost_rag.options.merge_call_options`): an unknown keyword is a TypeError, never
-        silently ignored, and so is giving both max_tokens and max_new_tokens."""
+        silently ignored, and so is giving both max_tokens and max_new_tokens. The engine's options become one
+        ``CallOptions`` here (:func:`kvboost_rag.options.typed_call`); ``add_special_tokens`` (a chat template's
+        BOS rule) overrides the call's."""
         stops = list(self.stop or []) + list(stop or [])
         defaults: dict[str, Any] = {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
                                     "top_p": self.top_p, "seed": self.seed, "stop": stops or None}
@@ -156,7 +160,9 @@ class KVBoostFields(BaseModel):
         opts = merge_call_options(defaults, kwargs, _ALLOWED, owner=type(self).__name__)
         opts["max_new_tokens"] = int(opts["max_new_tokens"])
         opts["temperature"], opts["top_p"] = float(opts["temperature"]), float(opts["top_p"])
-        return opts
+        if add_special_tokens is not None:
+            opts["add_special_tokens"] = add_special_tokens
+        return typed_call(self.rag, opts)
 
     def _params(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature,

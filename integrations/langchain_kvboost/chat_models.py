@@ -210,8 +210,7 @@ class ChatKVBoost(KVBoostFields, BaseChatModel):
         plan = tool_plan(tools, tool_choice, parallel)
         rendered = chat_inputs(self.rag.tokenizer, to_chat_dicts(messages), tools if tool_choice != "none" else None)
         prompt = self.rag.chat_prompt(*rendered)
-        opts = self._call_options(stop, kwargs)
-        opts["add_special_tokens"] = self.rag.chat_add_special_tokens(prompt)
+        opts = self._call_options(stop, kwargs, self.rag.chat_add_special_tokens(prompt))
         # A chat turn: the history (up to the last AI message) is exact, and the reply is backfilled for the next
         opts["chat_history"] = self.rag.chat_history(*rendered)
         return prompt, opts, plan

@@ -54,20 +54,38 @@ class GenerationStream:
 class GenerationMixin(BackfillMixin):
     """``generate()`` and ``stream()``."""
 
+    def call_options(self, options: CallOptions | None = None, **kw: Any) -> CallOptions:
+        """The call's options as one checked :class:`~kvboost_core.call_options.CallOptions` over this engine's
+        config: the per-call keywords ``kw`` (repair, recompute_ratio, store_prefix, add_special_tokens, ...)
+        built into one, or ``options`` (built before) checked and returned; both at once is a TypeError. What
+        :meth:`generate`/:meth:`stream` take as ``options=``, so a caller (a framework skin) builds a call's
+        options once, at its own entry, and carries that value down."""
+        if options is None:
+            return call_options(self.config, self.driver.num_layers, kw)
+        if not isinstance(options, CallOptions):
+            raise TypeError(f"options must be a kvboost_core CallOptions (engine.call_options(...)), got "
+                            f"{type(options).__name__}")
+        if kw:
+            raise TypeError(f"pass the call's options as options= or as keywords, not both (got options= and "
+                            f"{', '.join(sorted(kw))})")
+        return options
+
     def stream(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                stop: str | Sequence[str] | None = None, seed: int | None = None, *,
-               logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationStream:
+               logits_processor: LogitsProcessor | None = None, options: CallOptions | None = None,
+               **kw: Any) -> GenerationStream:
         """Yield text pieces as tokens are produced; the returned stream's ``.result`` holds the
         :class:`GenerationResult` once it is exhausted. Arguments are validated before the first piece.
-        ``logits_processor``: see :meth:`generate`."""
+        ``logits_processor`` and ``options``: see :meth:`generate`."""
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        opts = call_options(self.config, self.driver.num_layers, kw)
+        opts = self.call_options(options, **kw)
         check_logits_processor(logits_processor)
         return GenerationStream(self, prompt, params, {"opts": opts, "logits_processor": logits_processor})
 
     def generate(self, prompt: Any, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, *,
-                 logits_processor: LogitsProcessor | None = None, **kw: Any) -> GenerationResult:
+                 logits_processor: LogitsProcessor | None = None, options: CallOptions | None = None,
+                 **kw: Any) -> GenerationResult:
         """Generate a completion of ``prompt`` (document KV reused as in :meth:`prefill`).
 
         ``logits_processor(generated_ids, logits) -> logits`` is applied to the next-token logits (float32,
@@ -80,10 +98,14 @@ class GenerationMixin(BackfillMixin):
         re-placed, and the prompt and answer are backfilled for the next turn (see
         :mod:`kvboost_core.engine.exact_history`). None (default): a one-shot completion. ``turn_end``: the token ids
         the chat template writes after an assistant message (``<|im_end|>\n``), so the backfill holds the next
-        turn's history as it will be rendered."""
+        turn's history as it will be rendered.
+
+        The per-call options ``kw`` (``repair``, ``recompute_ratio``, ``store_prefix``, ``add_special_tokens``,
+        ``history_tokens``, ...) are checked into one :class:`~kvboost_core.call_options.CallOptions`; or pass one
+        already built (:meth:`call_options`) as ``options=`` instead of them."""
         holder: dict[str, GenerationResult] = {}
         params = SamplingParams.create(max_new_tokens, temperature, top_p, stop, seed)
-        opts = call_options(self.config, self.driver.num_layers, kw)
+        opts = self.call_options(options, **kw)
         check_logits_processor(logits_processor)
         for _ in self._run(prompt, params, holder, opts, logits_processor):
             pass

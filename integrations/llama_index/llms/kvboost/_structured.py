@@ -23,12 +23,15 @@ def _request(llm: Any, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] 
 
     if not (isinstance(output_cls, type) and issubclass(output_cls, BaseModel)):
         raise TypeError(f"output_cls must be a pydantic model class, got {output_cls!r}")
-    call_kw = llm._call_kwargs(dict(llm_kwargs or {}))
-    call_kw.pop("stop", None)  # a stop string would cut the JSON short
+    raw = dict(llm_kwargs or {})
     if llm._template_chat:
         text = llm._chat_prompt(prompt.format_messages(llm=llm, **prompt_args))
-        return text, llm._chat_kwargs(text, call_kw)
-    return llm._full_prompt(prompt.format(llm=llm, **prompt_args), False), call_kw
+        raw = llm._chat_kwargs(text, raw)
+    else:
+        text = llm._full_prompt(prompt.format(llm=llm, **prompt_args), False)
+    call_kw = llm._call_kwargs(raw)
+    call_kw.pop("stop", None)  # a stop string would cut the JSON short
+    return text, call_kw
 
 
 def _budget_error(call_kw: dict[str, Any]) -> ValueError:

@@ -19,6 +19,7 @@ from kvboost_rag.options import (
     pipeline_options,
     split_model_kwargs,
     stop_token_ids,
+    typed_call,
 )
 from kvboost_rag.toolcalls import chat_inputs, max_calls
 
@@ -261,11 +262,13 @@ class KVBoostLLM(StructuredOutput, ToolCalling, FunctionCallingLLM, CustomLLM):
     # -- completion ---------------------------------------------------------------------------------------
     def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Instance defaults with per-call overrides, by the rule both skins share
-        (:func:`kvboost_rag.options.merge_call_options`)."""
+        (:func:`kvboost_rag.options.merge_call_options`), the engine's options built into one ``CallOptions``
+        (:func:`kvboost_rag.options.typed_call`)."""
         defaults: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                     "top_p": self.top_p, "stop": self.stop, "seed": self.seed}
         defaults |= {k: getattr(self, k) for k in ("repair", "recompute_ratio") if getattr(self, k) is not None}
-        return merge_call_options({**defaults, **self.engine_call_kwargs}, kwargs, CALL_KEYS, owner="KVBoostLLM")
+        merged = merge_call_options({**defaults, **self.engine_call_kwargs}, kwargs, CALL_KEYS, owner="KVBoostLLM")
+        return typed_call(self._rag, merged)
 
     def _full_prompt(self, prompt: str, formatted: bool) -> str:
         if not isinstance(prompt, str):
