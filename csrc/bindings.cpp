@@ -17,6 +17,7 @@ TORCH_LIBRARY(kvboost, m) {
   m.def("quantize_kv(Tensor k, Tensor v, int bits, int group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("blend_select(Tensor fresh, Tensor cached, int k, Tensor? forced_mask) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, int length, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor pages, int length, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
@@ -24,6 +25,7 @@ TORCH_LIBRARY_IMPL(kvboost, CPU, m) {
   m.impl("quantize_kv", &kvboost::quantize_kv_cpu);
   m.impl("blend_select", &kvboost::blend_select_cpu);
   m.impl("decode_attention", &kvboost::decode_attention_cpu);
+  m.impl("paged_decode_attention", &kvboost::paged_decode_attention_cpu);
 }
 
 #ifdef KVBOOST_WITH_CUDA

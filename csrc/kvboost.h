@@ -34,6 +34,12 @@ at::Tensor blend_select_cpu(const at::Tensor& fresh, const at::Tensor& cached, i
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
                                 double scale);
 
+// The same over a page pool: q (H, D), k_pool/v_pool (N, H_kv, P, D) fp32 with unit last stride, pages (n,) int64
+// page ids in position order -> (H, D), key t read from page pages[t / P], slot t % P. Bitwise the dense call on
+// the gathered rows.
+at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                      const at::Tensor& pages, int64_t length, double scale);
+
 #ifdef KVBOOST_WITH_CUDA
 void dequant_rerotate_into_cuda(at::TensorList dst_k, at::TensorList dst_v, const at::Tensor& k,
                                 const at::Tensor& v, const std::optional<at::Tensor>& k_scale,
@@ -64,6 +70,8 @@ struct DecodeGeometry {
   int64_t H, Hkv, D;  // query heads, KV heads, head_dim
 };
 DecodeGeometry check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length);
+DecodeGeometry check_paged_decode_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                       const at::Tensor& pages, int64_t length);
 void check_quantize_args(const at::Tensor& k, const at::Tensor& v, int64_t bits, int64_t group_size);
 int64_t check_blend_args(const at::Tensor& fresh, const at::Tensor& cached, int64_t k,
                          const std::optional<at::Tensor>& forced_mask);

@@ -763,6 +763,27 @@ def decode_step_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paged_attention_table(result: dict[str, Any]) -> str:
+    """#36: decode attention through a page table against a dense cache, per page size and page placement."""
+    g = result["geometry"]
+    lines = [f"Decode attention alone, one query row per head over {result['context']} tokens of fp32 K/V, every "
+             f"layer of a {g['layers']}-layer model ({g['heads']} query heads over {g['kv_heads']} KV heads of "
+             f"{g['head_dim']}), medians of {result['rounds']} passes, side by side in one process. Paged arms read "
+             "through a table of a `PagePool` (`kvboost_core.serving.pages`) with the native paged kernel and are "
+             "bitwise the dense native kernel on the same rows:", "",
+             "| threads | page tokens | dense, SDPA | dense, native | paged, pages in a run | paged, pages scattered | "
+             "page-major storage, a run |", "|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        ms, base = r["ms"], r["ms"]["dense_native"]
+        paged = [f"{ms[a]:.2f} ms ({_fmt_speedup(base / ms[a])})"
+                 for a in ("paged_run", "paged_scattered", "page_major_run")]
+        lines.append(f"| {r['threads']} | {r['page_tokens']} | {ms['dense_sdpa']:.2f} ms | {base:.2f} ms | "
+                     + " | ".join(paged) + " |")
+    lines += ["", "Ratios against the dense native kernel. The pool stores each KV head's pages back to back "
+              "(head-major), so a run of pages reads like a dense sequence; scattered pages do not."]
+    return "\n".join(lines) + "\n"
+
+
 def decode_line(result: dict[str, Any]) -> str:
     """README's line from #35: decode tokens/s at fp16 against fp32 and llama.cpp, per thread count."""
     parts = []
@@ -816,6 +837,7 @@ TABLES = (
     Table("decode", ("decode.json",), decode_table),
     Table("decode_step", ("decode_step.json",), decode_step_table),
     Table("decode_line", ("decode.json",), decode_line),
+    Table("paged_attention", ("paged_attention.json",), paged_attention_table),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",

@@ -130,4 +130,33 @@ DecodeGeometry check_decode_args(const at::Tensor& q, const at::Tensor& k, const
   return {H, Hkv, D};
 }
 
+DecodeGeometry check_paged_decode_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                       const at::Tensor& pages, int64_t length) {
+  TORCH_CHECK_VALUE(q.dim() == 2 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+                    "kvboost: paged_decode_attention takes q (H, D) and k_pool/v_pool (N, H_kv, P, D) of one shape, "
+                    "got ", q.sizes(), ", ", k_pool.sizes(), " and ", v_pool.sizes());
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+                    v_pool.scalar_type() == at::kFloat, "kvboost: paged_decode_attention takes float32 q/k/v");
+  TORCH_CHECK_VALUE(q.device() == k_pool.device() && k_pool.device() == v_pool.device() &&
+                    pages.device() == q.device(), "kvboost: paged_decode_attention's tensors are on different devices");
+  const int64_t H = q.size(0), D = q.size(1), N = k_pool.size(0), Hkv = k_pool.size(1), P = k_pool.size(2);
+  TORCH_CHECK_VALUE(k_pool.size(3) == D, "kvboost: paged_decode_attention's head_dim differs: q ", D, ", pool ",
+                    k_pool.size(3));
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "kvboost: query heads (", H, ") must be a multiple of KV heads (",
+                    Hkv, ")");
+  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, "kvboost: head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK_VALUE(P >= 1, "kvboost: pages must hold at least one token");
+  TORCH_CHECK_VALUE(k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
+                    "kvboost: paged_decode_attention needs k/v rows contiguous");
+  TORCH_CHECK_VALUE(pages.dim() == 1 && pages.scalar_type() == at::kLong,
+                    "kvboost: pages must be a 1-D int64 tensor of page ids, got ", pages.scalar_type(), " ",
+                    pages.sizes());
+  TORCH_CHECK_VALUE(length >= 1 && length <= pages.size(0) * P, "kvboost: length must be in [1, ",
+                    pages.size(0) * P, "] (", pages.size(0), " pages of ", P, "), got ", length);
+  const at::Tensor used = pages.slice(0, 0, (length + P - 1) / P);
+  TORCH_CHECK_VALUE(used.min().item<int64_t>() >= 0 && used.max().item<int64_t>() < N,
+                    "kvboost: a page id is outside the pool's ", N, " pages");
+  return {H, Hkv, D};
+}
+
 }  // namespace kvboost

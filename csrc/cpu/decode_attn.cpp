@@ -105,47 +105,91 @@ static inline float dot_v(const __m256* q, const float* k) {
   return hsum8(p[0]);
 }
 
-// out = sum_t w[t] * v[t] over n rows of D = 8 * NV values, in registers
+// Where one KV head's rows live: row t in page pages[t / P] at slot t % P, each page `page` floats after the
+// last. The dense case is one page (pages = {0}, P = length). Rows are walked page by page, in position order,
+// so a paged call sums in the dense call's order and gives its bits.
+struct Walk {
+  const float* base;     // the head's slot 0 in page 0
+  const int64_t* pages;  // page ids in position order
+  int64_t page, row, P;  // strides (floats) between pages and between rows; rows per page
+};
+
+// out = sum_t w[t] * v[t] over the walk's first n rows of D = 8 * NV values, accumulated in registers in t order
 template <int NV>
-static inline void weighted_rows(float* out, const float* w, const float* v, int64_t row, int64_t n) {
+static inline void weighted_rows(float* out, const float* w, const Walk& v, int64_t n) {
   __m256 acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 wt = _mm256_set1_ps(w[t]);
-    const float* vt = v + t * row;
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(wt, _mm256_loadu_ps(vt + 8 * i)));
+  for (int64_t t = 0, i = 0; t < n; ++i) {
+    const float* vp = v.base + v.pages[i] * v.page;
+    for (const int64_t end = std::min(t + v.P, n); t < end; ++t, vp += v.row) {
+      const __m256 wt = _mm256_set1_ps(w[t]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(wt, _mm256_loadu_ps(vp + 8 * j)));
+    }
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
 // One query row: scores over its n keys into s[0:n], softmax, then the weighted sum of values into out[0:D].
 template <int NV>
-static void row_v(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
-                  float sc, float* s, float* out) {
+static void row_v(const float* q, const Walk& k, const Walk& v, int64_t n, float sc, float* s, float* out) {
   __m256 qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
-  for (int64_t t = 0; t < n; ++t) s[t] = dot_v<NV>(qv, kh + t * k_row) * sc;
+  for (int64_t t = 0, i = 0; t < n; ++i) {
+    const float* kp = k.base + k.pages[i] * k.page;
+    for (const int64_t end = std::min(t + k.P, n); t < end; ++t, kp += k.row) s[t] = dot_v<NV>(qv, kp) * sc;
+  }
   const float inv = 1.0f / softmax_numer(s, n);
-  weighted_rows<NV>(out, s, vh, v_row, n);
+  weighted_rows<NV>(out, s, v, n);
   for (int i = 0; i < 8 * NV; ++i) out[i] *= inv;
 }
 #endif
 
-static void row_scalar(const float* q, const float* kh, const float* vh, int64_t k_row, int64_t v_row, int64_t n,
-                       int64_t D, float sc, float* s, float* out) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float* kt = kh + t * k_row;
-    float acc = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * kt[d];
-    s[t] = acc * sc;
+static void row_scalar(const float* q, const Walk& k, const Walk& v, int64_t n, int64_t D, float sc, float* s,
+                       float* out) {
+  for (int64_t t = 0, i = 0; t < n; ++i) {
+    const float* kp = k.base + k.pages[i] * k.page;
+    for (const int64_t end = std::min(t + k.P, n); t < end; ++t, kp += k.row) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += q[d] * kp[d];
+      s[t] = acc * sc;
+    }
   }
   const float inv = 1.0f / softmax_numer(s, n);
   std::fill(out, out + D, 0.0f);
-  for (int64_t t = 0; t < n; ++t) {
-    const float* vt = vh + t * v_row;
-    for (int64_t d = 0; d < D; ++d) out[d] += s[t] * vt[d];
+  for (int64_t t = 0, i = 0; t < n; ++i) {
+    const float* vp = v.base + v.pages[i] * v.page;
+    for (const int64_t end = std::min(t + v.P, n); t < end; ++t, vp += v.row)
+      for (int64_t d = 0; d < D; ++d) out[d] += s[t] * vp[d];
   }
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+// Every query head's row, heads split over threads (9 split 5 + 4 on 2); K/V head h / group, as `walk` places it.
+template <typename WalkOf>
+static at::Tensor attend_rows(const at::Tensor& q, int64_t H, int64_t Hkv, int64_t D, int64_t n, double scale,
+                              const WalkOf& walk) {
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({H, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(static_cast<size_t>(n));
+    for (int64_t h = begin; h < end; ++h) {
+      const float* qh = qp + h * D;
+      const Walk k = walk(h / group, true), v = walk(h / group, false);  // a thread's rows share a KV head
+      float* oh = op + h * D;
+#ifdef __AVX2__
+      if (D == 64) { row_v<8>(qh, k, v, n, sc, s.data(), oh); continue; }
+      if (D == 128) { row_v<16>(qh, k, v, n, sc, s.data(), oh); continue; }
+      if (D == 32) { row_v<4>(qh, k, v, n, sc, s.data(), oh); continue; }
+      if (D == 16) { row_v<2>(qh, k, v, n, sc, s.data(), oh); continue; }
+#endif
+      row_scalar(qh, k, v, n, D, sc, s.data(), oh);
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -153,32 +197,27 @@ static void row_scalar(const float* q, const float* kh, const float* vh, int64_t
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
                                 double scale) {
   const DecodeGeometry g = check_decode_args(q, k, v, length);
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({g.H, g.D}, q.options());
-  const float* qp = qc.data_ptr<float>();
+  static const int64_t one_page = 0;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = g.H / g.Hkv, D = g.D, n = length;
-  const int64_t k_head = k.stride(0), k_row = k.stride(1), v_head = v.stride(0), v_row = v.stride(1);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, g.H, 1, [&](int64_t begin, int64_t end) {  // query heads: 9 split 5 + 4 on 2 threads
-    std::vector<float> s(static_cast<size_t>(n));
-    for (int64_t h = begin; h < end; ++h) {
-      const float* qh = qp + h * D;
-      const float* kh = kp + (h / group) * k_head;  // a thread's consecutive rows share a KV head: from cache
-      const float* vh = vp + (h / group) * v_head;
-      float* oh = op + h * D;
-#ifdef __AVX2__
-      if (D == 64) { row_v<8>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
-      if (D == 128) { row_v<16>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
-      if (D == 32) { row_v<4>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
-      if (D == 16) { row_v<2>(qh, kh, vh, k_row, v_row, n, sc, s.data(), oh); continue; }
-#endif
-      row_scalar(qh, kh, vh, k_row, v_row, n, D, sc, s.data(), oh);
-    }
+  return attend_rows(q, g.H, g.Hkv, g.D, length, scale, [&](int64_t hk, bool key) {
+    return key ? Walk{kp + hk * k.stride(0), &one_page, 0, k.stride(1), length}
+               : Walk{vp + hk * v.stride(0), &one_page, 0, v.stride(1), length};
   });
-  return out;
+}
+
+at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                      const at::Tensor& pages, int64_t length, double scale) {
+  const DecodeGeometry g = check_paged_decode_args(q, k_pool, v_pool, pages, length);
+  const at::Tensor pc = pages.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int64_t P = k_pool.size(2);
+  return attend_rows(q, g.H, g.Hkv, g.D, length, scale, [&](int64_t hk, bool key) {
+    return key ? Walk{kp + hk * k_pool.stride(1), pp, k_pool.stride(0), k_pool.stride(2), P}
+               : Walk{vp + hk * v_pool.stride(1), pp, v_pool.stride(0), v_pool.stride(2), P};
+  });
 }
 
 }  // namespace kvboost

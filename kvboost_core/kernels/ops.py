@@ -96,6 +96,10 @@ def _register_fakes() -> None:
     def _(q, k, v, length, scale):
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake(lib + "paged_decode_attention")
+    def _(q, k_pool, v_pool, pages, length, scale):
+        return q.new_empty(q.shape)
+
     @torch.library.register_fake(lib + "blend_select")
     def _(fresh, cached, k, forced_mask):
         ctx = torch.library.get_ctx()
@@ -224,3 +228,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
             and decode_kernel(q.device) and k.device == q.device == v.device):
         return torch.ops.kvboost.decode_attention(q, k, v, int(length), float(scale))
     return reference.decode_attention(q, k, v, length, scale)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
+                           length: int, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` over a page pool (``kvboost_core.serving.pages``): q (H, D), k_pool/v_pool
+    (N, H_kv, P, D), ``pages`` (n,) int64 page ids in position order -> (H, D), key t read from page
+    ``pages[t // P]`` at slot ``t % P``; no dense copy of the sequence. fp32 on the CPU runs the native kernel,
+    bitwise :func:`decode_attention` on the gathered rows; anything else the reference (gather, then SDPA)."""
+    if (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.stride(-1) == 1
+            and v_pool.stride(-1) == 1 and decode_kernel(q.device) and pages.dtype == torch.long
+            and k_pool.device == q.device == v_pool.device == pages.device):
+        return torch.ops.kvboost.paged_decode_attention(q, k_pool, v_pool, pages, int(length), float(scale))
+    return reference.paged_decode_attention(q, k_pool, v_pool, pages, length, scale)

@@ -10,6 +10,7 @@ what :mod:`kvboost_core.kernels.ops` runs when the extension is not built or the
 * :func:`blend_select` ranks tokens by their squared K deviation (CacheBlend's check layer).
 * :func:`decode_attention` is one decode row's attention, torch's SDPA with GQA. The CPU kernel is not bitwise
   SDPA (its own fixed summation order and exp); tests/test_kernels.py bounds the difference.
+* :func:`paged_decode_attention` is the same over a page pool's rows: gathered, then :func:`decode_attention`.
 """
 
 from __future__ import annotations
@@ -121,6 +122,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(1, h, 1, d), k[None, :, :length], v[None, :, :length], scale=scale, enable_gqa=h != k.shape[0])
     return out.view(h, d)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
+                           length: int, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` over the rows of a page pool (N, H_kv, P, D) that ``pages`` (n,) lists in
+    position order: the pages gathered into a dense (H_kv, n * P, D), then SDPA."""
+    p_tok = k_pool.shape[2]
+    if not 1 <= length <= pages.numel() * p_tok:
+        raise ValueError(f"length must be in [1, {pages.numel() * p_tok}] ({pages.numel()} pages of {p_tok}), "
+                         f"got {length}")
+    used = pages[: -(-length // p_tok)].long()
+
+    def dense(pool: torch.Tensor) -> torch.Tensor:
+        return pool.index_select(0, used).transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])
+
+    return decode_attention(q, dense(k_pool), dense(v_pool), length, scale)
 
 
 def select_count(ratio_or_k: float | int, n: int) -> int:

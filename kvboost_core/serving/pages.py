@@ -2,9 +2,9 @@
 reference-counted, found by content and copied on write, and decode attention that reads them page by page.
 The server does not use it yet (``BatchedDecoder`` still copies each request's KV into a dense row).
 
-Layout: per layer, K and V are each one tensor of shape (num_pages, H_kv, page_tokens, D). A page is one index
-of the first dimension, in every layer at once: it holds ``page_tokens`` consecutive positions of a request, all
-layers. A request's :class:`PageTable` lists its pages in position order; position p lives at
+Layout: per layer, K and V are each one tensor of shape (num_pages, H_kv, page_tokens, D) (stored head-major). A
+page is one index of the first dimension, in every layer at once: it holds ``page_tokens`` consecutive positions of
+a request, all layers. A request's :class:`PageTable` lists its pages in position order; position p lives at
 ``(pages[p // page_tokens], p % page_tokens)``.
 
 - Reference counts: :meth:`PagePool.allocate` hands out free pages at count 1, :meth:`~PagePool.retain` and
@@ -17,6 +17,9 @@ layers. A request's :class:`PageTable` lists its pages in position order; positi
 - Copy-on-write: a page held by more than one table is never written. Writing into one first copies it (all
   layers) to a fresh page and swaps the writer's table entry, so the other holders never see the write. A
   published page written by its only holder leaves the index (its contents no longer match its key).
+- Attention: :func:`paged_attention` is the torch path (online softmax page by page, any dtype, sliding windows);
+  ``kvboost_core.kernels.ops.paged_decode_attention`` the native fp32 decode row over :meth:`PagePool.keys` /
+  :meth:`PagePool.values` and a table's pages, bitwise the dense native kernel on the gathered rows.
 - Not thread-safe: one thread (the scheduler's) owns a pool and its tables.
 """
 
@@ -87,9 +90,13 @@ class PagePool:
             raise ValueError(f"byte_budget={byte_budget} holds no page: one page is {self.page_bytes} bytes "
                              f"(2 x {num_layers} layers x {kv_heads} heads x {page_tokens} tokens x {head_dim} "
                              f"x {dtype.itemsize} bytes)")
-        shape = (self.num_pages, kv_heads, page_tokens, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Stored head-major, (kv_heads, num_pages, page_tokens, head_dim), and seen as (num_pages, kv_heads, ...):
+        # a KV head's consecutive pages are then contiguous, and attention over a run of them reads as fast as over
+        # a dense sequence (7.6-7.9 ms against 7.3 for SmolLM2's 30 layers at 1.8K tokens; scattered pages 1.6-1.9x
+        # slower, page-major storage 1.4-1.8x slower even in runs).
+        storage = (kv_heads, self.num_pages, page_tokens, head_dim)
+        self._k = [torch.zeros(storage, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(num_layers)]
+        self._v = [torch.zeros(storage, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(num_layers)]
         self._refs = [0] * self.num_pages
         self._free: deque[int] = deque(range(self.num_pages))
         self._written = torch.zeros(self.num_pages, num_layers, page_tokens, dtype=torch.bool)  # slots written
@@ -99,6 +106,15 @@ class PagePool:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``layer``'s key storage, (num_pages, kv_heads, page_tokens, head_dim): what paged attention reads
+        (``kvboost_core.kernels.ops.paged_decode_attention`` with a table's pages). Write through :meth:`write`."""
+        return self._k[self._layer(layer)]
+
+    def values(self, layer: int) -> torch.Tensor:
+        """``layer``'s value storage, as :meth:`keys`."""
+        return self._v[self._layer(layer)]
 
     def refcount(self, page: int) -> int:
         self._check_ids([page])
