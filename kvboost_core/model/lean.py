@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ _NORMS = {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "mistral": "MistralR
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 _IMPLS = ("sdpa",)  # eager runs each family's own attention function: not reproduced here
 
-__all__ = ["Attend", "LeanDecoder", "lean_decoder"]
+__all__ = ["Attend", "DenseRows", "KVRows", "LeanDecoder", "lean_decoder"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,38 +136,71 @@ class LeanDecoder:
 
     def _rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
               values: list[torch.Tensor]) -> torch.Tensor:
+        return self.step_kv(tokens, positions, DenseRows(keys, values, positions, self.attend))
+
+    def step_kv(self, tokens: torch.Tensor, positions: list[int], kv: KVRows) -> torch.Tensor:
+        """:meth:`step_rows` over any :class:`KVRows` (the batched server's paged pool, or dense buffers): row
+        ``i`` runs ``tokens[i]`` at ``positions[i]``; ``kv`` stores its K/V and attends it. Not under inference
+        mode itself (the callers are). Returns the logits (n, V)."""
         d = self.driver
-        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
+        heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
         n = tokens.numel()
         pos = torch.tensor(positions, device=tokens.device)
-        rows = torch.arange(n, device=tokens.device)
         x = d.inner.embed_tokens(tokens.view(n, 1))  # (n, 1, C)
         cos, sin = d.inner.rotary_emb(x, position_ids=pos.view(n, 1))  # (n, 1, D)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (n, 1, 1, D)
-        gqa = heads != kv
         for i, ly in enumerate(self.layers):
             h = _rms(x, ly.norm1, ly.eps1)
             q = ly.q(h).view(n, 1, heads, hd).transpose(1, 2)  # (n, H, 1, D)
-            k = ly.k(h).view(n, 1, kv, hd).transpose(1, 2)  # (n, H_kv, 1, D)
-            v = ly.v(h).view(n, 1, kv, hd).transpose(1, 2)
+            k = ly.k(h).view(n, 1, kv_heads, hd).transpose(1, 2)  # (n, H_kv, 1, D)
+            v = ly.v(h).view(n, 1, kv_heads, hd).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kb, vb = keys[i], values[i]
-            kb[rows, :, pos] = k[:, :, 0].to(kb.dtype)  # (n, H_kv, D) into row r, slot pos_r
-            vb[rows, :, pos] = v[:, :, 0].to(vb.dtype)
-            outs = []
-            for r, p in enumerate(positions):
-                if self.attend is not None:
-                    outs.append(self.attend(q[r].reshape(heads, hd), kb[r], vb[r], p + 1, ly.scaling))
-                else:
-                    outs.append(F.scaled_dot_product_attention(
-                        q[r:r + 1], kb[r:r + 1, :, :p + 1], vb[r:r + 1, :, :p + 1], scale=ly.scaling,
-                        enable_gqa=gqa).view(heads, hd))
-            o = torch.stack(outs)  # (n, H, D)
+            kv.write(i, k[:, :, 0], v[:, :, 0])  # (n, H_kv, D): row r at position pos_r
+            o = torch.stack([kv.attend(i, r, q[r:r + 1], ly.scaling) for r in range(n)])  # (n, H, D)
             x = x + ly.o(o.reshape(n, 1, heads * hd))
             h = _rms(x, ly.norm2, ly.eps2)
             x = x + ly.down(F.silu(ly.gate(h)) * ly.up(h))
         return d.model.lm_head(_rms(x, self.norm, self.norm_eps))[:, -1]  # (n, V)
+
+
+class KVRows(Protocol):
+    """Where a lean step's rows keep their K/V: :meth:`write` stores the step's new K/V, :meth:`attend` runs one
+    row's attention over its keys so far (the new one included). One attention call per row, so a row's result
+    cannot depend on the other rows."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, H_kv, D): row r's new K/V of ``layer``, at the row's position."""
+
+    def attend(self, layer: int, row: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (1, H, 1, D) -> (H, D): ``row``'s attention over its keys of ``layer``."""
+
+
+class DenseRows:
+    """Per-layer dense (rows, H_kv, T, D) buffers, row r writing and reading slots [0, positions[r]]; ``attend``
+    None runs SDPA as the planned forward calls it (bitwise), else that one-row attention (:data:`Attend`)."""
+
+    __slots__ = ("keys", "values", "positions", "_pos", "_rows", "_attend")
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int],
+                 attend: Attend | None) -> None:
+        self.keys, self.values, self.positions, self._attend = keys, values, positions, attend
+        device = keys[0].device
+        self._pos = torch.tensor(positions, device=device)
+        self._rows = torch.arange(len(positions), device=device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        kb, vb = self.keys[layer], self.values[layer]
+        kb[self._rows, :, self._pos] = k.to(kb.dtype)  # (n, H_kv, D) into row r, slot pos_r
+        vb[self._rows, :, self._pos] = v.to(vb.dtype)
+
+    def attend(self, layer: int, row: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        kb, vb, length = self.keys[layer], self.values[layer], self.positions[row] + 1
+        heads, hd = q.shape[1], q.shape[3]
+        if self._attend is not None:
+            return self._attend(q.reshape(heads, hd), kb[row], vb[row], length, scale)
+        return F.scaled_dot_product_attention(q, kb[row:row + 1, :, :length], vb[row:row + 1, :, :length],
+                                              scale=scale, enable_gqa=heads != kb.shape[1]).view(heads, hd)
 
 
 def lean_decoder(driver: ModelDriver, *, attend: Attend | None = None) -> LeanDecoder | None:
