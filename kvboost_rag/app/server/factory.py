@@ -95,6 +95,7 @@ def build(args: argparse.Namespace, *, replica: str | None = None,
                           prefill_chunk=getattr(args, "prefill_chunk", 0) or None,
                           deterministic=getattr(args, "deterministic", True),
                           warm_budget=getattr(args, "warm_budget", 256),
+                          kv_pool_bytes=getattr(args, "kv_pool", None), page_tokens=getattr(args, "page_tokens", 16),
                           max_documents=getattr(args, "max_documents", 256),
                           max_document_bytes=getattr(args, "max_document_bytes", 8 * 2**20))
     state.default_temperature = args.default_temperature

@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-document-bytes", type=parse_size, default=8 * 2**20, metavar="SIZE",
                    help="bytes of document text one POST /v1/documents may send; more is answered 413 "
                         "(default 8MiB)")
+    p.add_argument("--kv-pool", type=parse_size, default=None, metavar="SIZE",
+                   help="hold the decoding requests' KV in pages of one pool of this size (e.g. 2GiB): pages with "
+                        "the same contents (the same documents at the same positions, a system head) are held "
+                        "once, and a request waits while the pool is full; Llama-shaped fp32 models only "
+                        "(default off: a dense row per request)")
+    p.add_argument("--page-tokens", type=positive_int, default=16, metavar="N",
+                   help="tokens per page of --kv-pool (default 16)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="a request's output does not depend on the requests batched with it, to the last bit of "
                         "its logits (default on); --no-deterministic runs each decode step as plain batched "

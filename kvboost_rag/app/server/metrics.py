@@ -47,6 +47,8 @@ class Metrics:
         self.tps = Gauge("kvboost_tokens_per_second", "Generated tokens per second over the last steps",
                          registry=r)
         self.batch_bytes = Gauge("kvboost_batch_kv_bytes", "Bytes of the decode batch's KV buffers", registry=r)
+        self.pages = Gauge("kvboost_kv_pages", "Pages of the KV pool (serve --kv-pool) by state: used, shared "
+                           "(held by several requests), free", ["state"], registry=r)
         self.cache_bytes = Gauge("kvboost_cache_bytes", "Bytes held by the KV store, per tier and namespace",
                                  ["namespace", "tier"], registry=r)
         self.backfill_pending = Gauge("kvboost_backfill_pending", "Chat turns whose history backfill is queued",
@@ -80,6 +82,11 @@ class Metrics:
         self.running.set(scheduler.running)
         self.tps.set(scheduler.tokens_per_second())
         self.batch_bytes.set(scheduler.decoder.nbytes)
+        pool = getattr(scheduler.decoder, "pool", None)
+        if pool is not None:
+            stats = pool.stats()
+            for state, value in (("used", stats.used), ("shared", stats.shared), ("free", stats.free)):
+                self.pages.labels(state).set(value)
         totals = scheduler.backfills.totals
         self.backfill_pending.set(totals.pending)
         self.backfill_tokens.set(totals.tokens)

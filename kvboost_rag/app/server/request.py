@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ import torch
 from kvboost_core import CacheCounts
 from kvboost_core.decode import SamplingParams, TextStream
 from kvboost_core.serving.batch import BatchSlot
+from kvboost_rag.app.server.protocol import APIError
+
+log = logging.getLogger("kvboost_rag.app.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,33 @@ class GenRequest:
     next_token: int = -1
     task: Any = None  # its PrefillTask: a chat turn's gives the backfill of its prompt and answer
     turn_end: tuple[int, ...] = ()  # what the chat template writes after an answer
+
+    def check_limits(self, n_prompt: int) -> None:
+        """APIError 400 when the prompt and the requested tokens do not fit the model's context."""
+        ctx = self.rag.engine.driver.max_context
+        if ctx and n_prompt + self.params.max_new_tokens > ctx:
+            param = "messages" if n_prompt >= ctx else "max_tokens"
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {n_prompt} tokens and "
+                                f"{self.params.max_new_tokens} new tokens were requested ({n_prompt} + "
+                                f"{self.params.max_new_tokens} > {ctx}); shorten the prompt or lower max_tokens",
+                           param=param, code="context_length_exceeded")
+
+    def fail_prefill(self, exc: Exception) -> None:
+        """The error a failed prefill gives: an APIError as it is, the engine's own checks (context length, empty
+        prompt: ValueError) as the client's 400, anything else a 500 (logged without the prompt)."""
+        if isinstance(exc, APIError):
+            self.emit("error", exc)
+        elif isinstance(exc, ValueError):
+            self.emit("error", APIError(400, str(exc), param="messages"))
+        else:
+            log.error("prefill failed: %s", type(exc).__name__)  # never the prompt
+            self.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+
+    def fail_logits(self, exc: Exception) -> None:
+        """Its logits cannot be sampled from: the 500 a failing engine gives, naming why (the engine's own words:
+        NaN or every token masked; never the prompt)."""
+        log.error("request failed: %s", exc)
+        self.emit("error", APIError(500, f"the engine failed on this request: {exc}", type="server_error"))
 
 
 class QueueFull(Exception):

@@ -34,6 +34,8 @@ import torch
 from kvboost_core import cache_counts
 from kvboost_core.decode import BadLogits, TextStream, next_piece, sample
 from kvboost_core.serving.batch import BatchedDecoder, BatchSlot, Prefilled, PrefillTask, start_prefill
+from kvboost_core.serving.paged_batch import PagedBatchedDecoder
+from kvboost_core.serving.pages import PoolFull
 from kvboost_rag.aio import thread_setting
 from kvboost_rag.app.server.history import TurnBackfills
 from kvboost_rag.app.server.protocol import APIError
@@ -51,7 +53,8 @@ __all__ = ["Finished", "GenRequest", "QueueFull", "Scheduler", "Started"]
 class Scheduler:
     def __init__(self, driver: Any, *, max_batch: int = 8, max_queue: int = 64, metrics: Any = None,
                  step_delay: float = 0.0, prefill_chunk: int | None = None, deterministic: bool = True,
-                 warm_budget: int = 256, warm_step_share: float | None = WARM_SLICE_OF_STEP) -> None:
+                 warm_budget: int = 256, warm_step_share: float | None = WARM_SLICE_OF_STEP,
+                 kv_pool_bytes: int | None = None, page_tokens: int = 16) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -67,7 +70,13 @@ class Scheduler:
         self.warm_step_share = warm_step_share  # None: the token budget alone bounds a warm slice
         self._warms: collections.deque[WarmJob] = collections.deque()  # document warms, oldest first
         self._prefilling: tuple[GenRequest, PrefillTask] | None = None  # the chunked prefill in progress
-        self.decoder = BatchedDecoder(driver, max_batch, deterministic=deterministic)
+        # kv_pool_bytes: the requests' KV in pages of one pool, identical pages held once (PagedBatchedDecoder);
+        # a request the pool cannot hold yet waits, prefilled, until pages free up ("parked")
+        self.decoder: BatchedDecoder | PagedBatchedDecoder = (
+            BatchedDecoder(driver, max_batch, deterministic=deterministic) if kv_pool_bytes is None else
+            PagedBatchedDecoder(driver, max_batch, pool_bytes=kv_pool_bytes, page_tokens=page_tokens,
+                                deterministic=deterministic))
+        self._parked: collections.deque[tuple[GenRequest, Prefilled, int]] = collections.deque()
         self.max_queue = max_queue
         self.metrics = metrics
         self.step_delay = step_delay  # tests only: slows decode so backpressure can be observed deterministically
@@ -143,15 +152,16 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._stop or self._tasks or self._running or self._pending or self._prefilling
-                           or self._warms or self.backfills.pending):
+                           or self._parked or self._warms or self.backfills.pending):
                     self._cv.wait(timeout=1.0)
                 if self._stop:
                     break
                 task = self._tasks.popleft() if self._tasks else None
                 job = self._warms[0] if self._warms else None
-                free = self.decoder.free and self._prefilling is None
+                free = self.decoder.free and self._prefilling is None and not self._parked
                 req = self._pending.popleft() if self._pending and free else None
-                idle = not (task or job or req or self._pending or self._running or self._prefilling)
+                idle = not (task or job or req or self._pending or self._running or self._prefilling
+                            or self._parked)
             if idle:
                 self.backfills.step()  # one slice; a request arriving meanwhile waits for it at most
             if task is not None:
@@ -160,6 +170,7 @@ class Scheduler:
                 self._advance_warm(job)
             try:
                 self._drop_cancelled()
+                self._unpark()
                 if req is not None:
                     self._admit(req)
                 if self._prefilling is not None:
@@ -175,7 +186,7 @@ class Scheduler:
             if not job.future.done():
                 job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
         held = [self._prefilling[0]] if self._prefilling is not None else []
-        for r in [*self._pending, *held, *self._running.values()]:
+        for r in [*self._pending, *held, *(p[0] for p in self._parked), *self._running.values()]:
             r.emit("error", APIError(503, "the server is shutting down", type="server_error"))
 
     def _fail_running(self) -> None:
@@ -215,6 +226,7 @@ class Scheduler:
         for slot, r in list(self._running.items()):
             if r.cancelled:
                 self._leave(slot)
+        self._parked = collections.deque(p for p in self._parked if not p[0].cancelled)
         with self._cv:
             if any(r.cancelled for r in self._pending):
                 self._pending = collections.deque(r for r in self._pending if not r.cancelled)
@@ -224,12 +236,6 @@ class Scheduler:
         reuses the row (see BatchedDecoder.remove)."""
         self._running.pop(slot, None)
         self.decoder.remove(slot, scrub=scrub)
-
-    def _bad_logits(self, r: GenRequest, exc: BadLogits) -> None:
-        """``r``'s logits cannot be sampled from: it gets the 500 a failing engine gives, naming why (the
-        engine's own words: NaN or every token masked; never the prompt)."""
-        log.error("request failed: %s", exc)
-        r.emit("error", APIError(500, f"the engine failed on this request: {exc}", type="server_error"))
 
     def _admit(self, r: GenRequest) -> None:
         if r.cancelled:
@@ -249,7 +255,7 @@ class Scheduler:
             ctx = r.rag.engine.driver.max_context
             if r.fill_context:
                 r.params = replace(r.params, max_new_tokens=max(1, ctx - n_prompt) if ctx else 256)
-            self._check_limits(r, n_prompt)
+            r.check_limits(n_prompt)
             task = r.task = start_prefill(r.rag.engine, plan.segments, add_special_tokens=False,
                                           history_tokens=turn.get("history_tokens"), turn_end=r.turn_end)
             if self.prefill_chunk is not None:
@@ -257,7 +263,7 @@ class Scheduler:
                 return
             pre = task.finish()
         except Exception as exc:
-            self._prefill_failed(r, exc)
+            r.fail_prefill(exc)
             return
         self._join(r, pre)
 
@@ -272,30 +278,55 @@ class Scheduler:
             pre = task.finish()
         except Exception as exc:
             self._prefilling = None
-            self._prefill_failed(r, exc)
+            r.fail_prefill(exc)
             return
         self._join(r, pre)
 
-    def _prefill_failed(self, r: GenRequest, exc: Exception) -> None:
-        if isinstance(exc, APIError):
-            r.emit("error", exc)
-        elif isinstance(exc, ValueError):  # the engine's own checks (context length, empty prompt) are the client's
-            r.emit("error", APIError(400, str(exc), param="messages"))
-        else:
-            log.error("prefill failed: %s", type(exc).__name__)  # never the prompt
-            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
-
     def _join(self, r: GenRequest, pre: Prefilled) -> None:
-        """First token from the prefill's logits, then a row in the batch."""
+        """First token from the prefill's logits, then a row in the batch (with a page pool: the row first, so a
+        request the pool cannot hold yet waits, parked, before its first token)."""
         res = pre.result
-        n = len(res.token_ids)
         if r.params.seed is not None:
             r.generator = torch.Generator(device=res.last_logits.device).manual_seed(r.params.seed)
         try:
             token = sample(res.last_logits, r.params, r.generator)
         except BadLogits as exc:  # this prompt's logits only: the batch never saw it
-            self._bad_logits(r, exc)
+            r.fail_logits(exc)
             return
+        if isinstance(self.decoder, PagedBatchedDecoder) and not self._enter(r, pre, token):
+            return
+        self._start(r, pre, token)
+
+    def _enter(self, r: GenRequest, pre: Prefilled, token: int) -> bool:
+        """Give ``r`` its pages; False when it cannot run now (parked while others hold the pool, or failed)."""
+        n = len(pre.result.token_ids)
+        try:
+            r.slot = self.decoder.add(pre.result.cache.keys, pre.result.cache.values, n, n + r.params.max_new_tokens)
+            return True
+        except PoolFull as exc:
+            if self.decoder.size:
+                self._parked.append((r, pre, token))  # retried as requests leave (_unpark)
+                return False
+            r.emit("error", APIError(400, f"the server's KV pool cannot hold this request even alone ({exc}): "
+                                          "lower max_tokens or shorten the prompt", param="max_tokens"))
+        except Exception as exc:  # e.g. out of memory
+            log.error("joining the batch failed: %s", type(exc).__name__)
+            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+        return False
+
+    def _unpark(self) -> None:
+        """Parked requests join, oldest first, while the pool holds them."""
+        while self._parked and self.decoder.free:
+            r, pre, token = self._parked.popleft()
+            if not self._enter(r, pre, token):
+                if self._parked and self._parked[-1][0] is r:  # still too big: back to the head of the line
+                    self._parked.appendleft(self._parked.pop())
+                return
+            self._start(r, pre, token)
+
+    def _start(self, r: GenRequest, pre: Prefilled, token: int) -> None:
+        res = pre.result
+        n = len(res.token_ids)
         counts, ttft = cache_counts(res.stats), time.perf_counter() - r.submitted
         r.emit("start", Started(prompt_tokens=n, counts=counts, ttft_s=ttft))
         if self.metrics is not None:
@@ -305,24 +336,16 @@ class Scheduler:
         except Exception as exc:  # a failing store tier must not fail the request
             log.warning("storing the prompt prefix failed: %s", type(exc).__name__)
         r.stream = TextStream(r.rag.tokenizer, r.params.stop)
-        try:
-            r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
-        except Exception as exc:  # e.g. out of memory for the batch buffers
-            log.error("joining the batch failed: %s", type(exc).__name__)
-            r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
-            return
+        if r.slot is None:
+            try:
+                r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
+            except Exception as exc:  # e.g. out of memory for the batch buffers
+                log.error("joining the batch failed: %s", type(exc).__name__)
+                r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
+                return
         self._running[r.slot] = r
         if self._accept(r, token):
             self._leave(r.slot)
-
-    def _check_limits(self, r: GenRequest, n_prompt: int) -> None:
-        ctx = r.rag.engine.driver.max_context
-        if ctx and n_prompt + r.params.max_new_tokens > ctx:
-            param = "messages" if n_prompt >= ctx else "max_tokens"
-            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {n_prompt} tokens and "
-                                f"{r.params.max_new_tokens} new tokens were requested ({n_prompt} + "
-                                f"{r.params.max_new_tokens} > {ctx}); shorten the prompt or lower max_tokens",
-                           param=param, code="context_length_exceeded")
 
     def _accept(self, r: GenRequest, token: int) -> bool:
         """Record a generated token; True when the request is finished (and its "done" event sent)."""
@@ -372,7 +395,7 @@ class Scheduler:
             try:
                 token = sample(logits[s], r.params, r.generator)
             except BadLogits as exc:  # one row's logits (NaN, all masked): that request fails, the others go on
-                self._bad_logits(r, exc)
+                r.fail_logits(exc)
                 failed.append(s)
                 continue
             if self._accept(r, token):

@@ -81,12 +81,13 @@ def default_state(rag: Any, model_name: str, *, keys: dict[str, str] | None = No
                   max_queue: int = 64, request_timeout: float = 300.0, step_delay: float = 0.0,
                   aliases: tuple[str, ...] = (), prefill_chunk: int | None = None,
                   deterministic: bool = True, warm_budget: int = 256, max_documents: int = 256,
-                  max_document_bytes: int = 8 * 2**20) -> ServerState:
+                  max_document_bytes: int = 8 * 2**20, kv_pool_bytes: int | None = None,
+                  page_tokens: int = 16) -> ServerState:
     metrics = Metrics()
     keyring = KeyRing(keys)
     scheduler = Scheduler(rag.engine.driver, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
                           step_delay=step_delay, prefill_chunk=prefill_chunk, deterministic=deterministic,
-                          warm_budget=warm_budget)
+                          warm_budget=warm_budget, kv_pool_bytes=kv_pool_bytes, page_tokens=page_tokens)
     state = ServerState(rag, model_name, scheduler, keyring, metrics, request_timeout=request_timeout,
                         model_aliases=frozenset(aliases), max_documents=max_documents,
                         max_document_bytes=max_document_bytes)
