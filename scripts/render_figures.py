@@ -784,6 +784,30 @@ def paged_attention_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kv_pool_table(result: dict[str, Any]) -> str:
+    """#36: the decode batch over a shared page pool against dense rows, one process."""
+    d, p, b, one = result["dense"], result["paged"], result["budget"], result["one_request_kv_bytes"]
+    mib = 2 ** 20
+    toks = result["prompt_tokens"]
+    lines = [f"{result['model']}, {result['threads']} thread(s): {result['concurrency']} requests over the same "
+             f"{result['documents']} heldout documents in one order, each with its own question (prompts "
+             f"{min(toks):,}-{max(toks):,} tokens, prefilled as the server does), held by each decoder in turn; "
+             f"greedy decode over {result['steps']} steps at batch {result['concurrency']}; pages of "
+             f"{result['page_tokens']} tokens:", "",
+             "| decoder | KV held | against one request's | resident memory growth | decode tokens/s |",
+             "|---|---|---|---|---|",
+             f"| dense rows (default) | {d['kv_bytes'] / mib:,.0f} MiB | {d['kv_bytes'] / one:.2f}x | "
+             f"{d['rss_growth'] / mib:,.0f} MiB | {d['tokens_per_s']:.1f} |",
+             f"| page pool (`--kv-pool`) | {p['kv_bytes'] / mib:,.0f} MiB ({p['pages_shared']} of {p['pages_used']} "
+             f"pages shared) | {p['kv_bytes'] / one:.2f}x | {p['rss_growth'] / mib:,.0f} MiB | "
+             f"{p['tokens_per_s']:.1f} ({_fmt_speedup(p['tokens_per_s'] / d['tokens_per_s'])}) |", "",
+             f"Both decoders gave the same tokens: {'yes' if result['same_tokens'] else 'no'}. A fixed budget of "
+             f"{b['bytes'] / mib:,.0f} MiB ({b['bytes'] / one:.0f} requests' unshared KV) holds {b['dense_requests']} "
+             f"requests as dense rows and {b['paged_requests']}{' (every request tried)' if b['paged_capped'] else ''}"
+             " in the pool."]
+    return "\n".join(lines) + "\n"
+
+
 def decode_line(result: dict[str, Any]) -> str:
     """README's line from #35: decode tokens/s at fp16 against fp32 and llama.cpp, per thread count."""
     parts = []
@@ -838,6 +862,7 @@ TABLES = (
     Table("decode_step", ("decode_step.json",), decode_step_table),
     Table("decode_line", ("decode.json",), decode_line),
     Table("paged_attention", ("paged_attention.json",), paged_attention_table),
+    Table("kv_pool", ("kv_pool.json",), kv_pool_table),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",

@@ -92,3 +92,14 @@ def test_metrics_show_the_pool(rag):
     text = Metrics().render(sched, lambda: {}).decode()
     free = sched.decoder.pool.num_pages
     assert f'kvboost_kv_pages{{state="free"}} {free:.1f}' in text and 'kvboost_kv_pages{state="used"} 0.0' in text
+
+
+def test_the_pool_benchmark_runs_and_shares(rag):
+    """benchmarks/bench_kv_pool.py's measurement on the tiny model: both decoders give the same tokens, and the
+    pool holds the shared documents once (the figures themselves come from the benchmark, not from here)."""
+    from kvboost_rag.app.bench.kv_pool import measure
+
+    r = measure(rag, c=3, doc_tokens=150, steps=2, page_tokens=8, budget_requests=2)
+    assert r["same_tokens"] and r["paged"]["pages_shared"] > 0
+    assert r["paged"]["kv_bytes"] < r["dense"]["kv_bytes"]
+    assert r["budget"]["paged_requests"] > r["budget"]["dense_requests"] == 2
