@@ -794,13 +794,14 @@ def kv_pool_table(result: dict[str, Any]) -> str:
              f"{min(toks):,}-{max(toks):,} tokens, prefilled as the server does), held by each decoder in turn; "
              f"greedy decode over {result['steps']} steps at batch {result['concurrency']}; pages of "
              f"{result['page_tokens']} tokens:", "",
-             "| decoder | KV held | against one request's | resident memory growth | decode tokens/s |",
-             "|---|---|---|---|---|",
+             "| decoder | KV held | against one request's | resident memory growth | joining, per request | "
+             "decode tokens/s |", "|---|---|---|---|---|---|",
              f"| dense rows (default) | {d['kv_bytes'] / mib:,.0f} MiB | {d['kv_bytes'] / one:.2f}x | "
-             f"{d['rss_growth'] / mib:,.0f} MiB | {d['tokens_per_s']:.1f} |",
+             f"{d['rss_growth'] / mib:,.0f} MiB | {d['add_s'] * 1e3:.0f} ms | {d['tokens_per_s']:.1f} |",
              f"| page pool (`--kv-pool`) | {p['kv_bytes'] / mib:,.0f} MiB ({p['pages_shared']} of {p['pages_used']} "
              f"pages shared) | {p['kv_bytes'] / one:.2f}x | {p['rss_growth'] / mib:,.0f} MiB | "
-             f"{p['tokens_per_s']:.1f} ({_fmt_speedup(p['tokens_per_s'] / d['tokens_per_s'])}) |", "",
+             f"{p['add_s'] * 1e3:.0f} ms | {p['tokens_per_s']:.1f} "
+             f"({_fmt_speedup(p['tokens_per_s'] / d['tokens_per_s'])}) |", "",
              f"Both decoders gave the same tokens: {'yes' if result['same_tokens'] else 'no'}. A fixed budget of "
              f"{b['bytes'] / mib:,.0f} MiB ({b['bytes'] / one:.0f} requests' unshared KV) holds {b['dense_requests']} "
              f"requests as dense rows and {b['paged_requests']}{' (every request tried)' if b['paged_capped'] else ''}"

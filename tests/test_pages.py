@@ -391,3 +391,22 @@ def test_bad_call_arguments_are_named():
         paged_attention(torch.zeros(4, 1, 3), pool, PageTable(pool), 0, scale=1.0)
     table.release()
     assert pool.stats().used == 0
+
+
+def test_fill_writes_whole_pages_a_table_holds_alone():
+    pool = PagePool(2, 2, 4, 3, byte_budget=2 * 2 * 2 * 3 * 4 * 4 * 6)
+    a = PageTable(pool)
+    a.slots_for(6)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    for layer in range(2):
+        pool.fill(layer, a.pages, k, v)
+    assert torch.equal(pool.gather(a, 1)[0], k.transpose(0, 1).reshape(2, 6, 4))
+    key = ("page", 0)
+    assert pool.publish(key, a.pages[0]) == a.pages[0]  # full in every layer: fill marks its slots written
+    b = a.fork()
+    with pytest.raises(RuntimeError, match="2 references"):
+        pool.fill(0, b.pages[:1], k[:1], v[:1])
+    with pytest.raises(ValueError, match="k must be"):
+        pool.fill(0, [pool.allocate(1)[0]], k, v)
+    b.release()
+    a.release()

@@ -37,6 +37,13 @@ from kvboost_core.serving.pages import PagePool, PageTable, PoolFull, PoolStats
 __all__ = ["PagedBatchedDecoder"]
 
 
+def _pages_of(kv: torch.Tensor, pages: int, page_tokens: int) -> torch.Tensor:
+    """A prefilled layer's K or V (1, H_kv, >=pages * page_tokens, D) as its first ``pages`` pages,
+    (pages, H_kv, page_tokens, D) (a view)."""
+    h, d = kv.shape[1], kv.shape[3]
+    return kv[0, :, :pages * page_tokens].view(h, pages, page_tokens, d).transpose(0, 1)
+
+
 class _PagedRows:
     """:class:`kvboost_core.model.lean.KVRows` over a pool: row r's new K/V go to ``slots[r]`` (page, offset), and
     it attends to its table's first ``positions[r] + 1`` positions."""
@@ -156,36 +163,65 @@ class PagedBatchedDecoder:
         self._slots = []
 
     def _fill(self, table: PageTable, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """The request's pages in position order: each full page the pool holds with the same contents is shared,
+        the others are written, whole pages one call per layer."""
         pool, p_tok = self.pool, self.pool.page_tokens
-        for start in range(0, length, p_tok):
-            end = min(start + p_tok, length)
-            key = self._fingerprint(keys, start, end) if end - start == p_tok else None
-            page = pool.lookup(key) if key is not None else None
-            if page is not None and self._holds(page, keys, values, start, end):
-                table.share(page)
+        full = length // p_tok
+        found = [pool.lookup(self._fingerprint(keys, i * p_tok, (i + 1) * p_tok)) for i in range(full)]
+        shared = self._verified(found, keys, values)  # page index -> pool page, where every layer is equal
+        new: list[int] = []  # page indexes written (not shared), in order
+        i = 0
+        while i < full:
+            if i in shared:
+                table.share(shared[i])
+                i += 1
                 continue
-            table.slots_for(end - start)
+            j = i
+            while j < full and j not in shared:
+                j += 1
+            table.slots_for((j - i) * p_tok)  # one run of fresh pages
+            new += range(i, j)
+            i = j
+        if new:
+            ids = [table.pages[i] for i in new]
+            idx = torch.tensor(new, device=pool.device)
             for layer in range(pool.num_layers):
-                pool.write(table, layer, keys[layer][0, :, start:end], values[layer][0, :, start:end], start)
-            if key is not None and page is None:
-                pool.publish(key, table.pages[-1])
+                pool.fill(layer, ids, _pages_of(keys[layer], full, p_tok)[idx], _pages_of(values[layer], full, p_tok)[idx])
+            for i in new:  # published under its fingerprint unless an earlier page holds that key
+                if found[i] is None:
+                    pool.publish(self._fingerprint(keys, i * p_tok, (i + 1) * p_tok), table.pages[i])
+        if length > full * p_tok:  # the partial last page: this request's own
+            start = full * p_tok
+            table.slots_for(length - start)
+            for layer in range(pool.num_layers):
+                pool.write(table, layer, keys[layer][0, :, start:length], values[layer][0, :, start:length], start)
+
+    def _verified(self, found: list[int | None], keys: list[torch.Tensor], values: list[torch.Tensor]
+                  ) -> dict[int, int]:
+        """{page index: pool page} for the candidates whose K and V equal the request's in every layer."""
+        cand = [i for i, page in enumerate(found) if page is not None]
+        if not cand:
+            return {}
+        pool, p_tok = self.pool, self.pool.page_tokens
+        full = len(found)
+        idx = torch.tensor(cand, device=pool.device)
+        pages = torch.tensor([found[i] for i in cand], device=pool.device)
+        same = torch.ones(len(cand), dtype=torch.bool, device=pool.device)
+        for layer in range(pool.num_layers):
+            for held, mine in ((pool.keys(layer), keys[layer]), (pool.values(layer), values[layer])):
+                same &= (held[pages] == _pages_of(mine, full, p_tok)[idx]).flatten(1).all(1)
+        return {i: page for i, page, ok in zip(cand, pages.tolist(), same.tolist()) if ok}
 
     def _fingerprint(self, keys: list[torch.Tensor], start: int, end: int) -> tuple[Any, ...]:
         """A lookup key for the page at positions [start, end): xxh3 of its first and last layers' keys (the first
         fixes the tokens and positions, the last their context), with the shape and dtype. A hint only: a page is
-        shared after :meth:`_holds` compares every layer."""
+        shared after :meth:`_verified` compares every layer."""
         import xxhash
 
         h = xxhash.xxh3_128()
         for layer in (0, len(keys) - 1):
             h.update(keys[layer][0, :, start:end].contiguous().cpu().view(torch.uint8).numpy().tobytes())
         return ("kv-page", h.hexdigest(), end - start, str(keys[0].dtype))
-
-    def _holds(self, page: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, end: int) -> bool:
-        """Whether ``page`` holds exactly this request's K/V at positions [start, end), in every layer."""
-        pool = self.pool
-        return all(torch.equal(pool.keys(i)[page], keys[i][0, :, start:end])
-                   and torch.equal(pool.values(i)[page], values[i][0, :, start:end]) for i in range(pool.num_layers))
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -211,6 +211,29 @@ class PagePool:
             self._v[layer][page, :, off] = v[:, a - start:b - start].detach()
             self._written[page, layer, off] = True
 
+    def fill(self, layer: int, pages: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write whole pages in one call: k, v (m, H_kv, page_tokens, D) into ``pages`` (m ids) of ``layer``.
+        Each page must be in use by one table only (a fresh page of :meth:`PageTable.slots_for`; a shared page is
+        never written: RuntimeError)."""
+        layer = self._layer(layer)
+        pages = list(pages)
+        self._check_ids(pages)
+        for p in pages:
+            if self._refs[p] != 1:
+                raise RuntimeError(f"fill: page {p} has {self._refs[p]} references (only a page one table holds "
+                                   "alone may be written whole)")
+        shape = (len(pages), self.kv_heads, self.page_tokens, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != self.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be {shape} of {self.dtype}, got {got}")
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        self._k[layer][idx] = k.detach()
+        self._v[layer][idx] = v.detach()
+        self._written[idx, layer] = True
+
     def gather(self, table: PageTable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The table's keys and values of ``layer`` as dense (H_kv, T, D) copies, T = table.tokens (reference and
         test use: attention reads pages directly, see :func:`paged_attention`)."""

@@ -61,18 +61,19 @@ def _prefilled(rag: Any, docs: list[str], question: str) -> Any:
     return pre.result
 
 
-def _hold(decoder: Any, pres: list[Any], new_tokens: int) -> tuple[dict[Any, int], int]:
-    """Add every prefilled request; (slot -> its first token, resident growth in bytes)."""
+def _hold(decoder: Any, pres: list[Any], new_tokens: int) -> tuple[dict[Any, int], int, float]:
+    """Add every prefilled request; (slot -> its first token, resident growth in bytes, seconds per add)."""
     import torch
 
     gc.collect()
     before = _rss()
     live = {}
+    t0 = time.perf_counter()
     for pre in pres:
         n = len(pre.token_ids)
         slot = decoder.add(pre.cache.keys, pre.cache.values, n, n + new_tokens)
         live[slot] = int(torch.argmax(pre.last_logits))
-    return live, _rss() - before
+    return live, _rss() - before, (time.perf_counter() - t0) / len(pres)
 
 
 def _decode(decoder: Any, live: dict[Any, int], steps: int) -> tuple[float, list[list[int]]]:
@@ -110,10 +111,11 @@ def measure(rag: Any, c: int, doc_tokens: int, steps: int, page_tokens: int, bud
                            "warm_s": warm_s, "one_request_kv_bytes": one_request}
 
     dense = BatchedDecoder(driver, c)
-    live, grown = _hold(dense, pres, new)
+    live, grown, add_s = _hold(dense, pres, new)
     held = dense.used_bytes()
     tps, dense_tokens = _decode(dense, live, steps)
-    out["dense"] = {"kv_bytes": held, "buffer_bytes": dense.nbytes, "rss_growth": grown, "tokens_per_s": tps}
+    out["dense"] = {"kv_bytes": held, "buffer_bytes": dense.nbytes, "rss_growth": grown, "tokens_per_s": tps,
+                    "add_s": add_s}
     for s in list(live):
         dense.remove(s)
     del dense
@@ -121,12 +123,12 @@ def measure(rag: Any, c: int, doc_tokens: int, steps: int, page_tokens: int, bud
 
     budget = one_request * c * 2  # room for every request unshared, twice: the pool is not what limits here
     paged = PagedBatchedDecoder(driver, c, pool_bytes=budget, page_tokens=page_tokens)
-    live, grown = _hold(paged, pres, new)
+    live, grown, add_s = _hold(paged, pres, new)
     stats = paged.stats()
     tps, paged_tokens = _decode(paged, live, steps)
     out["paged"] = {"kv_bytes": stats.used * paged.pool.page_bytes, "pages_used": stats.used,
                     "pages_shared": stats.shared, "page_bytes": paged.pool.page_bytes, "rss_growth": grown,
-                    "tokens_per_s": tps}
+                    "tokens_per_s": tps, "add_s": add_s}
     out["same_tokens"] = paged_tokens == dense_tokens
     for s in list(live):
         paged.remove(s)
