@@ -10,25 +10,15 @@ import random
 import pytest
 import torch
 from conftest import CORPUS, make_tiny_model
+from test_server_batch import _prompts
 
-from kvboost_core import Segment, kernels
+from kvboost_core import kernels
 from kvboost_core.engine import KVEngine
 from kvboost_core.serving.batch import BatchedDecoder, prefill
 from kvboost_core.serving.paged_batch import PagedBatchedDecoder
 from kvboost_core.serving.pages import PoolFull
 
 MB = 1 << 20
-
-
-def _prompts() -> list[list[Segment]]:
-    out = []
-    for i in range(6):
-        docs = [CORPUS[(i + j) % 5] for j in range(1 + i % 3)]  # 1-3 documents: different prompt lengths
-        segs: list[Segment] = []
-        for d in docs:
-            segs += [Segment(text=d, cacheable=True), Segment(text="\n")]
-        out.append(segs + [Segment(text=f"Question {i}: who?")])
-    return out
 
 
 @pytest.fixture(scope="module")

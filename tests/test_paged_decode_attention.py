@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_attention import _float64
 
 from kvboost_core import kernels
 from kvboost_core.kernels import ops, reference
@@ -32,13 +33,6 @@ def _case(h, kv, d, p_tok, n_pages, length, seed=0):
 
 def _dense(pool, pages):
     return pool.index_select(0, pages).transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])
-
-
-def _float64(q, k, v, n, scale):
-    group = q.shape[0] // k.shape[0]
-    qd, kd, vd = q.double(), k.double(), v.double()
-    return torch.stack([torch.softmax((kd[h // group, :n] @ qd[h]) * scale, 0) @ vd[h // group, :n]
-                        for h in range(q.shape[0])])
 
 
 @needs_ext

@@ -193,7 +193,47 @@ class _BatchCache:
         return self.length
 
 
-class BatchedDecoder:
+class DecodeBatch:
+    """What the scheduler holds its decoding requests in: up to ``max_batch`` slots, one token each per
+    :meth:`step`. :class:`BatchedDecoder` keeps their KV in dense rows,
+    ``kvboost_core.serving.paged_batch.PagedBatchedDecoder`` in pages of a shared pool. The rules they share
+    live here: the arguments, the slots and a step's bookkeeping."""
+
+    def __init__(self, driver: ModelDriver, max_batch: int, deterministic: bool) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+        self.driver, self.max_batch, self.deterministic = driver, max_batch, deterministic
+        self._slots: list[BatchSlot] = []
+        heads = [driver.model.get_output_embeddings()]
+        # the layers a deterministic step runs on fixed row tiles (serving.invariant.row_tiled)
+        self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
+
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self._slots)
+
+    def _check_step(self, tokens: dict[BatchSlot, int]) -> None:
+        if len(tokens) != len(self._slots) or any(s not in tokens for s in self._slots):
+            raise ValueError("step needs exactly one token for every active slot")
+        for s in self._slots:
+            if s.length >= s.capacity:
+                raise RuntimeError(f"a request reached its capacity of {s.capacity} slots; it must leave first")
+
+    def _advance(self, logits: torch.Tensor) -> dict[BatchSlot, torch.Tensor]:
+        result = {}
+        for i, s in enumerate(self._slots):
+            s.length += 1
+            result[s] = logits[i]
+        return result
+
+
+class BatchedDecoder(DecodeBatch):
     """Holds the KV of up to ``max_batch`` decoding requests and runs one token for each of them per step.
     ``deterministic`` (default): a request's logits do not depend on its neighbours, to the last bit."""
 
@@ -205,32 +245,15 @@ class BatchedDecoder:
             # a step would run every row on the base weights while the engine gates reader rows: refuse
             raise ValueError("batched decode does not run reader adapters (reader_adapter); serve this engine "
                              "without one or generate through KVEngine.generate")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-        self.driver = driver
-        self.max_batch = max_batch
-        self.deterministic = deterministic
-        self._slots: list[BatchSlot] = []
+        super().__init__(driver, max_batch, deterministic)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._capacity = 0
-        heads = [driver.model.get_output_embeddings()]
-        self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
         # A Llama-shaped model steps through the lean decoder (kvboost_core.model.lean), each row's attention its
         # own call (the native decode kernel on the CPU); anything else through the HF layers below.
         self._lean = lean_decoder(driver, attend=ops.decode_attend(driver.device))
 
     # ------------------------------------------------------------------ membership
-    @property
-    def size(self) -> int:
-        return len(self._slots)
-
-    @property
-    def free(self) -> int:
-        return self.max_batch - len(self._slots)
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the batch buffers (all rows, allocated capacity)."""
@@ -313,11 +336,7 @@ class BatchedDecoder:
     def step(self, tokens: dict[BatchSlot, int]) -> dict[BatchSlot, torch.Tensor]:
         """Run one token for every active slot (``tokens[slot]`` is written at ``slot.length``); returns each
         slot's next-token logits (vocab,) in fp32. Every active slot must be given a token."""
-        if len(tokens) != len(self._slots) or any(s not in tokens for s in self._slots):
-            raise ValueError("step needs exactly one token for every active slot")
-        for s in self._slots:
-            if s.length >= s.capacity:
-                raise RuntimeError(f"a request reached its capacity of {s.capacity} slots; it must leave first")
+        self._check_step(tokens)
         a = self.driver
         n = len(self._slots)
         dev = a.device
@@ -343,13 +362,6 @@ class BatchedDecoder:
                 hidden = out[0] if isinstance(out, tuple) else out
             logits = a.logits(hidden)[:, -1].float()  # (n, vocab)
         return self._advance(logits)
-
-    def _advance(self, logits: torch.Tensor) -> dict[BatchSlot, torch.Tensor]:
-        result = {}
-        for i, s in enumerate(self._slots):
-            s.length += 1
-            result[s] = logits[i]
-        return result
 
     @contextlib.contextmanager
     def _invariant(self, lengths: list[int]) -> Iterator[None]:

@@ -30,7 +30,7 @@ import torch
 from kvboost_core.kernels import ops
 from kvboost_core.model.driver import ModelDriver
 from kvboost_core.model.lean import lean_decoder
-from kvboost_core.serving.batch import BatchSlot
+from kvboost_core.serving.batch import BatchSlot, DecodeBatch
 from kvboost_core.serving.invariant import row_tiled
 from kvboost_core.serving.pages import PagePool, PageTable, PoolFull, PoolStats
 
@@ -69,38 +69,23 @@ class _PagedRows:
                                           self._tables[row], self._lengths[row], scale)
 
 
-class PagedBatchedDecoder:
+class PagedBatchedDecoder(DecodeBatch):
     """Up to ``max_batch`` decoding requests over one page pool of ``pool_bytes`` (see the module docstring); the
     interface of :class:`~kvboost_core.serving.batch.BatchedDecoder`."""
 
     def __init__(self, driver: ModelDriver, max_batch: int, *, pool_bytes: int, page_tokens: int = 16,
                  deterministic: bool = True) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
         lean = lean_decoder(driver) if driver.layerwise else None
         if lean is None:
             raise ValueError("a paged KV pool needs a Llama-shaped fp32 model that the lean decode step serves "
                              "(kvboost_core.model.lean); decode this model with the dense BatchedDecoder")
-        self.driver, self.max_batch, self.deterministic = driver, max_batch, deterministic
+        super().__init__(driver, max_batch, deterministic)
         self.pool = PagePool(driver.num_layers, driver.num_kv_heads, driver.head_dim, page_tokens,
                              byte_budget=pool_bytes, dtype=driver.dtype, device=driver.device)
         self._lean = lean
-        self._slots: list[BatchSlot] = []
         self._tables: dict[int, PageTable] = {}  # id(slot) -> its table
-        heads = [driver.model.get_output_embeddings()]
-        self._linears = [m for m in [*driver.inner.layers.modules(), *heads] if type(m) is torch.nn.Linear]
 
     # ------------------------------------------------------------------ membership
-    @property
-    def size(self) -> int:
-        return len(self._slots)
-
-    @property
-    def free(self) -> int:
-        return self.max_batch - len(self._slots)
-
     @property
     def nbytes(self) -> int:
         """Bytes of the pool (preallocated, used or not)."""
@@ -228,11 +213,7 @@ class PagedBatchedDecoder:
     def step(self, tokens: dict[BatchSlot, int]) -> dict[BatchSlot, torch.Tensor]:
         """One token for every active slot (``tokens[slot]`` written at ``slot.length``); each slot's next-token
         logits (vocab,) in fp32."""
-        if len(tokens) != len(self._slots) or any(s not in tokens for s in self._slots):
-            raise ValueError("step needs exactly one token for every active slot")
-        for s in self._slots:
-            if s.length >= s.capacity:
-                raise RuntimeError(f"a request reached its capacity of {s.capacity} slots; it must leave first")
+        self._check_step(tokens)
         tables = [self._tables[id(s)] for s in self._slots]
         written = [t.slots_for(1)[0] for t in tables]  # admission reserved these pages
         positions = [s.length for s in self._slots]
@@ -240,8 +221,4 @@ class PagedBatchedDecoder:
         ids = torch.tensor([tokens[s] for s in self._slots], device=self.driver.device)
         with row_tiled(self._linears) if self.deterministic else contextlib.nullcontext():
             logits = self._lean.step_kv(ids, positions, rows).float()
-        result = {}
-        for i, s in enumerate(self._slots):
-            s.length += 1
-            result[s] = logits[i]
-        return result
+        return self._advance(logits)
