@@ -9,9 +9,11 @@ requests served beside it or before it.
   documents alone;
 - :mod:`.backfill`: exact history, a background job that recomputes a finished turn as a plain prefill would and
   stores it as exact prefix, so the next turn reads its whole history exactly;
-- :mod:`.pages`: a paged KV pool (issue #36, first part): fixed-size pages of a preallocated pool sized from a byte
-  budget, reference-counted, shared by content key and copied on write, with per-request page tables and decode
-  attention that reads the pages directly (``paged_attention``); the server does not use it yet.
+- :mod:`.pages`: a paged KV pool: fixed-size pages of a preallocated pool sized from a byte budget,
+  reference-counted, shared by content key and copied on write, with per-request page tables and decode attention
+  that reads the pages directly (``paged_attention``; the native kernel is ``kernels.ops.paged_decode_attention``);
+- :mod:`.paged_batch`: batched decode over that pool (``serve --kv-pool``): identical pages held once, admission
+  counted in pages, outputs those of :mod:`.batch`'s dense rows.
 
 Who drives them: the server (``kvboost_rag.app.server``) and the engine shell's chat turns
 (:mod:`kvboost_core.engine.exact_history`); nothing else in kvboost_core imports this package.

@@ -1,6 +1,6 @@
-"""A paged KV pool shared across requests (issue #36, first part): fixed-size pages of a preallocated pool,
-reference-counted, found by content and copied on write, and decode attention that reads them page by page.
-The server does not use it yet (``BatchedDecoder`` still copies each request's KV into a dense row).
+"""A paged KV pool shared across requests (issue #36): fixed-size pages of a preallocated pool, reference-counted,
+found by content and copied on write, and decode attention that reads them page by page. The server's decode batch
+runs over it with ``serve --kv-pool`` (:mod:`kvboost_core.serving.paged_batch`).
 
 Layout: per layer, K and V are each one tensor of shape (num_pages, H_kv, page_tokens, D) (stored head-major). A
 page is one index of the first dimension, in every layer at once: it holds ``page_tokens`` consecutive positions of
