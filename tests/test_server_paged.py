@@ -103,3 +103,39 @@ def test_the_pool_benchmark_runs_and_shares(rag):
     assert r["same_tokens"] and r["paged"]["pages_shared"] > 0
     assert r["paged"]["kv_bytes"] < r["dense"]["kv_bytes"]
     assert r["budget"]["paged_requests"] > r["budget"]["dense_requests"] == 2
+
+
+def test_cancelled_and_failed_requests_return_their_pages(rag, monkeypatch):
+    """A request cancelled mid-decode, and every request of a failed step, give their pages back."""
+    import time
+
+    sched = Scheduler(rag.engine.driver, max_batch=4, kv_pool_bytes=4 * MB, page_tokens=8, step_delay=0.02)
+    sched.start()
+    try:
+        ev = Events()
+        req = GenRequest(rag=rag, params=SamplingParams.create(200), emit=ev, prompt=_prompt(0), ignore_eos=True)
+        sched.submit(req)
+        deadline = time.time() + 60
+        while not any(k == "text" for k, _ in ev.items) and time.time() < deadline:
+            time.sleep(0.01)
+        assert sched.call(lambda: sched.decoder.stats().used).result(timeout=60) > 0
+        sched.cancel(req)
+        while sched.call(lambda: sched.running).result(timeout=60) and time.time() < deadline:
+            time.sleep(0.01)
+        assert sched.call(lambda: sched.decoder.stats().used).result(timeout=60) == 0
+
+        def broken(*a, **k):
+            raise RuntimeError("step failed")
+
+        events = [Events() for _ in range(2)]
+        for i, e in enumerate(events):
+            sched.submit(GenRequest(rag=rag, params=SamplingParams.create(50), emit=e, prompt=_prompt(i),
+                                    ignore_eos=True))
+        while sched.call(lambda: sched.running).result(timeout=60) < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(sched.decoder, "step", broken)
+        for e in events:
+            assert e.wait()[0] == "error"
+        assert sched.call(lambda: sched.decoder.stats().used).result(timeout=60) == 0
+    finally:
+        sched.shutdown()
