@@ -10,7 +10,8 @@ Design choices, and why:
 
 - One copy per request at admission: document KV from the store is already copied into each request's
   assembled cache by ``place`` (it is re-rotated per request, so it cannot be shared as is); the batch buffer
-  then holds it for the request's lifetime and the prefill buffer is freed.
+  then holds it for the request's lifetime and the prefill buffer is freed. (``serving.paged_batch`` holds it in
+  pages of a shared pool instead, where requests over the same documents at the same positions share them.)
 - Active rows are kept contiguous (``0..n-1``): a leaving request's row is filled by the last row, so every
   step reads ``buf[:n, :, :L]``, a view, never a gather.
 - The buffer grows (doubling, re-allocated and copied) when the longest active request outgrows it: memory
