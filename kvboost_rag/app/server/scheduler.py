@@ -293,23 +293,27 @@ class Scheduler:
         except BadLogits as exc:  # this prompt's logits only: the batch never saw it
             r.fail_logits(exc)
             return
-        if isinstance(self.decoder, PagedBatchedDecoder) and not self._enter(r, pre, token):
-            return
+        if isinstance(self.decoder, PagedBatchedDecoder):
+            added = self._add(r, pre)
+            if added is None:
+                self._parked.append((r, pre, token))  # retried as requests leave (_unpark)
+            if not added:
+                return
         self._start(r, pre, token)
 
-    def _enter(self, r: GenRequest, pre: Prefilled, token: int) -> bool:
-        """Give ``r`` its pages; False when it cannot run now (parked while others hold the pool, or failed)."""
+    def _add(self, r: GenRequest, pre: Prefilled) -> bool | None:
+        """Give ``r`` its batch row (or pages): True when it has them, None when the pool cannot hold it while
+        others run (it waits), False when it failed (its error is sent)."""
         n = len(pre.result.token_ids)
         try:
             r.slot = self.decoder.add(pre.result.cache.keys, pre.result.cache.values, n, n + r.params.max_new_tokens)
             return True
         except PoolFull as exc:
             if self.decoder.size:
-                self._parked.append((r, pre, token))  # retried as requests leave (_unpark)
-                return False
+                return None
             r.emit("error", APIError(400, f"the server's KV pool cannot hold this request even alone ({exc}): "
                                           "lower max_tokens or shorten the prompt", param="max_tokens"))
-        except Exception as exc:  # e.g. out of memory
+        except Exception as exc:  # e.g. out of memory for the batch buffers
             log.error("joining the batch failed: %s", type(exc).__name__)
             r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
         return False
@@ -317,12 +321,13 @@ class Scheduler:
     def _unpark(self) -> None:
         """Parked requests join, oldest first, while the pool holds them."""
         while self._parked and self.decoder.free:
-            r, pre, token = self._parked.popleft()
-            if not self._enter(r, pre, token):
-                if self._parked and self._parked[-1][0] is r:  # still too big: back to the head of the line
-                    self._parked.appendleft(self._parked.pop())
+            r, pre, token = self._parked[0]
+            added = self._add(r, pre)
+            if added is None:  # still too big while others run: it keeps the head of the line
                 return
-            self._start(r, pre, token)
+            self._parked.popleft()
+            if added:
+                self._start(r, pre, token)
 
     def _start(self, r: GenRequest, pre: Prefilled, token: int) -> None:
         res = pre.result
@@ -336,13 +341,9 @@ class Scheduler:
         except Exception as exc:  # a failing store tier must not fail the request
             log.warning("storing the prompt prefix failed: %s", type(exc).__name__)
         r.stream = TextStream(r.rag.tokenizer, r.params.stop)
-        if r.slot is None:
-            try:
-                r.slot = self.decoder.add(res.cache.keys, res.cache.values, n, n + r.params.max_new_tokens)
-            except Exception as exc:  # e.g. out of memory for the batch buffers
-                log.error("joining the batch failed: %s", type(exc).__name__)
-                r.emit("error", APIError(500, "the engine failed on this request", type="server_error"))
-                return
+        if r.slot is None and not self._add(r, pre):  # the dense rows: after the first token, never full
+            return
+        assert r.slot is not None
         self._running[r.slot] = r
         if self._accept(r, token):
             self._leave(r.slot)
