@@ -122,7 +122,7 @@ class LeanDecoder:
         (its K/V written there); returns the logits (vocab,). One row of :meth:`step_rows`: the same operations on
         the same shapes as a one-row step, so the bits are the same."""
         cache.length = position + 1
-        return self._rows(token.view(1), [position], cache.keys, cache.values)[0]
+        return self.step_kv(token.view(1), [position], DenseRows(cache.keys, cache.values, [position], self.attend))[0]
 
     @torch.inference_mode()
     def step_rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
@@ -132,10 +132,6 @@ class LeanDecoder:
         to its own slots [0, positions[i]] only, one attention call per row (so its result cannot depend on the
         other rows; the linear layers' batch invariance is the caller's: ``serving.invariant.row_tiled``).
         Returns the logits (n, V)."""
-        return self._rows(tokens, positions, keys, values)
-
-    def _rows(self, tokens: torch.Tensor, positions: list[int], keys: list[torch.Tensor],
-              values: list[torch.Tensor]) -> torch.Tensor:
         return self.step_kv(tokens, positions, DenseRows(keys, values, positions, self.attend))
 
     def step_kv(self, tokens: torch.Tensor, positions: list[int], kv: KVRows) -> torch.Tensor:
