@@ -152,7 +152,8 @@ class PagedBatchedDecoder(DecodeBatch):
         the others are written, whole pages one call per layer."""
         pool, p_tok = self.pool, self.pool.page_tokens
         full = length // p_tok
-        found = [pool.lookup(self._fingerprint(keys, i * p_tok, (i + 1) * p_tok)) for i in range(full)]
+        prints = [self._fingerprint(keys, i * p_tok, (i + 1) * p_tok) for i in range(full)]
+        found = [pool.lookup(key) for key in prints]
         shared = self._verified(found, keys, values)  # page index -> pool page, where every layer is equal
         new: list[int] = []  # page indexes written (not shared), in order
         i = 0
@@ -174,7 +175,7 @@ class PagedBatchedDecoder(DecodeBatch):
                 pool.fill(layer, ids, _pages_of(keys[layer], full, p_tok)[idx], _pages_of(values[layer], full, p_tok)[idx])
             for i in new:  # published under its fingerprint unless an earlier page holds that key
                 if found[i] is None:
-                    pool.publish(self._fingerprint(keys, i * p_tok, (i + 1) * p_tok), table.pages[i])
+                    pool.publish(prints[i], table.pages[i])
         if length > full * p_tok:  # the partial last page: this request's own
             start = full * p_tok
             table.slots_for(length - start)
