@@ -132,12 +132,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if not 1 <= length <= pages.numel() * p_tok:
         raise ValueError(f"length must be in [1, {pages.numel() * p_tok}] ({pages.numel()} pages of {p_tok}), "
                          f"got {length}")
-    used = pages[: -(-length // p_tok)].long()
+    return decode_attention(q, gather_pages(k_pool, pages, length), gather_pages(v_pool, pages, length), length,
+                            scale)
 
-    def dense(pool: torch.Tensor) -> torch.Tensor:
-        return pool.index_select(0, used).transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])
 
-    return decode_attention(q, dense(k_pool), dense(v_pool), length, scale)
+def gather_pages(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` rows that ``pages`` (n,) lists of a pool layer (N, H_kv, P, D), as a dense
+    (H_kv, length, D) copy: what paged attention reads in place."""
+    used = pages[: -(-length // pool.shape[2])].long()
+    return pool.index_select(0, used).transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])[:, :length]
 
 
 def select_count(ratio_or_k: float | int, n: int) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvboost_core.kernels import reference
 from kvboost_core.model import attention
 
 
@@ -91,9 +92,9 @@ class PagePool:
                              f"(2 x {num_layers} layers x {kv_heads} heads x {page_tokens} tokens x {head_dim} "
                              f"x {dtype.itemsize} bytes)")
         # Stored head-major, (kv_heads, num_pages, page_tokens, head_dim), and seen as (num_pages, kv_heads, ...):
-        # a KV head's consecutive pages are then contiguous, and attention over a run of them reads as fast as over
-        # a dense sequence (7.6-7.9 ms against 7.3 for SmolLM2's 30 layers at 1.8K tokens; scattered pages 1.6-1.9x
-        # slower, page-major storage 1.4-1.8x slower even in runs).
+        # a KV head's consecutive pages are then contiguous, and attention over a run of them reads about as fast as
+        # over a dense sequence, where page-major storage is slower even in runs (benchmarks/bench_paged_attention.py,
+        # rendered in docs/serving.md).
         # Empty, not zeros: nothing reads a slot before it is written (attention reads a table's first ``tokens``
         # positions, a shared page is full), and an untouched page costs no resident memory until first written.
         storage = (kv_heads, self.num_pages, page_tokens, head_dim)
@@ -240,10 +241,8 @@ class PagePool:
         self._own(table)
         layer = self._layer(layer)
         idx = torch.tensor(table.pages, dtype=torch.long, device=self.device)
-        shape = (self.kv_heads, len(table.pages) * self.page_tokens, self.head_dim)
-        k = self._k[layer].index_select(0, idx).transpose(0, 1).reshape(shape)  # (H_kv, pages * P, D)
-        v = self._v[layer].index_select(0, idx).transpose(0, 1).reshape(shape)
-        return k[:, :table.tokens], v[:, :table.tokens]
+        return (reference.gather_pages(self._k[layer], idx, table.tokens),
+                reference.gather_pages(self._v[layer], idx, table.tokens))
 
     # -- internals -------------------------------------------------------------------------------------------
 

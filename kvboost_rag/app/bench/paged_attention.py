@@ -67,8 +67,8 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
     for i in range(layers):  # the scattered table's rows: the run's, copied into its pages
         keys[i][scattered] = keys[i][run_ids]
         values[i][scattered] = values[i][run_ids]
-    dense_k = [reference_rows(keys[i], run_ids, context) for i in range(layers)]
-    dense_v = [reference_rows(values[i], run_ids, context) for i in range(layers)]
+    dense_k = [reference.gather_pages(keys[i], run_ids, context).contiguous() for i in range(layers)]
+    dense_v = [reference.gather_pages(values[i], run_ids, context).contiguous() for i in range(layers)]
     page_major_k = [k.contiguous() for k in keys]  # (N, H_kv, P, D) storage
     page_major_v = [v.contiguous() for v in values]
 
@@ -89,12 +89,6 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
                for a in ("paged_run", "paged_scattered", "page_major_run")}
     return {"ms": {a: _median_ms(f, rounds) for a, f in arms.items()}, "bitwise": bitwise,
             "kv_mb": 2 * layers * kv_heads * context * head_dim * 4 / 1e6}
-
-
-def reference_rows(pool_layer: Any, ids: Any, context: int) -> Any:
-    """A table's rows of one layer as a dense contiguous (H_kv, context, D) tensor."""
-    return pool_layer.index_select(0, ids).transpose(0, 1).reshape(pool_layer.shape[1], -1,
-                                                                    pool_layer.shape[3])[:, :context].contiguous()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
