@@ -111,23 +111,30 @@ int64_t check_blend_args(const at::Tensor& fresh, const at::Tensor& cached, int6
   return n;
 }
 
+// What both decode attentions ask of q (H, D) and their K/V (head_dim D_kv, KV heads Hkv, rows along the last dim).
+static DecodeGeometry check_decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        int64_t Hkv, int64_t D_kv) {
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                    "kvboost: ", op, " takes float32 q/k/v");
+  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(),
+                    "kvboost: ", op, "'s q/k/v are on different devices");
+  const int64_t H = q.size(0), D = q.size(1);
+  TORCH_CHECK_VALUE(D_kv == D, "kvboost: ", op, "'s head_dim differs: q ", D, ", k/v ", D_kv);
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "kvboost: query heads (", H, ") must be a multiple of KV heads (",
+                    Hkv, ")");
+  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, "kvboost: head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK_VALUE(k.stride(-1) == 1 && v.stride(-1) == 1, "kvboost: ", op, " needs k/v rows contiguous");
+  return {H, Hkv, D};
+}
+
 DecodeGeometry check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length) {
   TORCH_CHECK_VALUE(q.dim() == 2 && k.dim() == 3 && k.sizes() == v.sizes(),
                     "kvboost: decode_attention takes q (H, D) and k/v (H_kv, T, D) of one shape, got ", q.sizes(),
                     ", ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-                    "kvboost: decode_attention takes float32 q/k/v");
-  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(),
-                    "kvboost: decode_attention's q/k/v are on different devices");
-  const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0);
-  TORCH_CHECK_VALUE(k.size(2) == D, "kvboost: decode_attention's head_dim differs: q ", D, ", k/v ", k.size(2));
-  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "kvboost: query heads (", H, ") must be a multiple of KV heads (",
-                    Hkv, ")");
-  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, "kvboost: head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
-  TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1, "kvboost: decode_attention needs k/v rows contiguous");
+  const DecodeGeometry g = check_decode_rows("decode_attention", q, k, v, k.size(0), k.size(2));
   TORCH_CHECK_VALUE(length >= 1 && length <= k.size(1), "kvboost: length must be in [1, ", k.size(1), "], got ",
                     length);
-  return {H, Hkv, D};
+  return g;
 }
 
 DecodeGeometry check_paged_decode_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -135,19 +142,11 @@ DecodeGeometry check_paged_decode_args(const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK_VALUE(q.dim() == 2 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
                     "kvboost: paged_decode_attention takes q (H, D) and k_pool/v_pool (N, H_kv, P, D) of one shape, "
                     "got ", q.sizes(), ", ", k_pool.sizes(), " and ", v_pool.sizes());
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
-                    v_pool.scalar_type() == at::kFloat, "kvboost: paged_decode_attention takes float32 q/k/v");
-  TORCH_CHECK_VALUE(q.device() == k_pool.device() && k_pool.device() == v_pool.device() &&
-                    pages.device() == q.device(), "kvboost: paged_decode_attention's tensors are on different devices");
-  const int64_t H = q.size(0), D = q.size(1), N = k_pool.size(0), Hkv = k_pool.size(1), P = k_pool.size(2);
-  TORCH_CHECK_VALUE(k_pool.size(3) == D, "kvboost: paged_decode_attention's head_dim differs: q ", D, ", pool ",
-                    k_pool.size(3));
-  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "kvboost: query heads (", H, ") must be a multiple of KV heads (",
-                    Hkv, ")");
-  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, "kvboost: head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
+  const DecodeGeometry g = check_decode_rows("paged_decode_attention", q, k_pool, v_pool, k_pool.size(1),
+                                             k_pool.size(3));
+  TORCH_CHECK_VALUE(pages.device() == q.device(), "kvboost: paged_decode_attention's pages are on another device");
+  const int64_t N = k_pool.size(0), P = k_pool.size(2);
   TORCH_CHECK_VALUE(P >= 1, "kvboost: pages must hold at least one token");
-  TORCH_CHECK_VALUE(k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
-                    "kvboost: paged_decode_attention needs k/v rows contiguous");
   TORCH_CHECK_VALUE(pages.dim() == 1 && pages.scalar_type() == at::kLong,
                     "kvboost: pages must be a 1-D int64 tensor of page ids, got ", pages.scalar_type(), " ",
                     pages.sizes());
@@ -156,7 +155,7 @@ DecodeGeometry check_paged_decode_args(const at::Tensor& q, const at::Tensor& k_
   const at::Tensor used = pages.slice(0, 0, (length + P - 1) / P);
   TORCH_CHECK_VALUE(used.min().item<int64_t>() >= 0 && used.max().item<int64_t>() < N,
                     "kvboost: a page id is outside the pool's ", N, " pages");
-  return {H, Hkv, D};
+  return g;
 }
 
 }  // namespace kvboost
