@@ -36,8 +36,8 @@ def cpu_flags() -> list[str]:
 
     -ffp-contract=off: the kernels must reproduce torch's separate multiply and add bit for bit.
     -fopenmp: at::parallel_for expands to ``#pragma omp parallel`` in our own objects; without it every kernel
-    runs on one thread. -g0: debug info triples the build time. -mavx2/-mf16c only where the CPU has them
-    (``KVBOOST_PORTABLE=1`` skips them).
+    runs on one thread. -g0: debug info triples the build time. -mavx2/-mf16c (and -mfma) only where the CPU has
+    them (``KVBOOST_PORTABLE=1`` skips them).
     """
     flags = ["-O3", "-g0", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
     if os.environ.get("KVBOOST_PORTABLE") != "1" and platform.machine() in ("x86_64", "AMD64"):
@@ -47,6 +47,8 @@ def cpu_flags() -> list[str]:
             info = ""
         if " avx2" in info and " f16c" in info:
             flags += ["-mavx2", "-mf16c"]
+            if " fma" in info:  # for explicit intrinsics only (the decode attention's multiply-adds):
+                flags.append("-mfma")  # -ffp-contract=off keeps the compiler from fusing anything else
     return flags
 
 
