@@ -147,12 +147,13 @@ $PY -c "from kvboost_core import kernels; print('kernels backend:', kernels.back
 say "GPU tests"
 # Argument errors raised through the native ops run in a process of their own, after the rest: on the first lent
 # image the first such raise crashed the process (SIGSEGV), and that must not cost the engine-on-CUDA tests.
-RAISING="rejects_bad_arguments or errors_match or errors_keep"
+RAISING="rejects_bad_arguments or errors_match or errors_keep or cuda_bad_arguments"
 timeout "${TESTS_S:-150}" $PY -m pytest -q -ra -p no:cacheprovider tests/test_kernels.py tests/test_engine_cuda.py \
-  -k "not ($RAISING)" >"$ART/pytest_gpu.log" 2>&1
+  tests/test_paged_decode_attention.py -k "not ($RAISING)" >"$ART/pytest_gpu.log" 2>&1
 say "pytest rc $?"
 tail -25 "$ART/pytest_gpu.log" >>"$LOG"
-timeout 60 $PY -m pytest -q -ra -p no:cacheprovider tests/test_kernels.py -k "$RAISING" >"$ART/pytest_raise.log" 2>&1
+timeout 60 $PY -m pytest -q -ra -p no:cacheprovider tests/test_kernels.py tests/test_paged_decode_attention.py \
+  -k "$RAISING" >"$ART/pytest_raise.log" 2>&1
 rc=$?
 say "pytest (argument errors through the native ops) rc $rc"
 tail -5 "$ART/pytest_raise.log" >>"$LOG"

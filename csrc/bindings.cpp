@@ -33,6 +33,8 @@ TORCH_LIBRARY_IMPL(kvboost, CUDA, m) {
   m.impl("dequant_rerotate_into", &kvboost::dequant_rerotate_into_cuda);
   m.impl("quantize_kv", &kvboost::quantize_kv_cuda);
   m.impl("blend_select", &kvboost::blend_select_cuda);
+  m.impl("decode_attention", &kvboost::decode_attention_cuda);
+  m.impl("paged_decode_attention", &kvboost::paged_decode_attention_cuda);
 }
 #endif
 

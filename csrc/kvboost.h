@@ -30,7 +30,7 @@ at::Tensor blend_select_cpu(const at::Tensor& fresh, const at::Tensor& cached, i
                             const std::optional<at::Tensor>& forced_mask);
 
 // q (H, D), k/v (H_kv, T, D) fp32 with unit last stride -> (H, D): one decode row's attention over keys
-// [0, length) (CPU only; other devices run the torch reference).
+// [0, length) (CPU and, in a CUDA build, CUDA; other devices run the torch reference).
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
                                 double scale);
 
@@ -53,6 +53,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 at::Tensor blend_select_cuda(const at::Tensor& fresh, const at::Tensor& cached, int64_t k,
                              const std::optional<at::Tensor>& forced_mask);
+
+// The two decode attentions on CUDA: q/k/v fp32, fp16 or bf16 (one dtype), fp32 accumulation.
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                                 double scale);
+at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                       const at::Tensor& pages, int64_t length, double scale);
 #endif
 
 // Argument checks shared by the CPU and CUDA entry points (defined in cpu/checks.cpp, host code only).

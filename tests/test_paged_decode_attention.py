@@ -122,3 +122,46 @@ def test_the_benchmark_measures_every_arm_on_the_same_rows(tmp_path):
     for r in result["runs"]:
         assert set(r["ms"]) == {"dense_sdpa", "dense_native", "paged_run", "paged_scattered", "page_major_run"}
         assert all(v > 0 for v in r["ms"].values()) and all(r["bitwise"].values())
+
+
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.has_cuda_ext()),
+                                reason="needs a CUDA device and a KVBOOST_CUDA=1 build")
+# fp32 as close to float64 as the CPU kernel's bound; fp16/bf16: the inputs rounded to the dtype, then float64,
+# against the output's own rounding (a few units of the dtype's epsilon at |out| <= 3)
+_CUDA_TOL = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(_CUDA_TOL), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_cuda_dense_and_paged_against_float64(shape, dtype):
+    """The CUDA kernels (csrc/cuda/decode_attn.cu): the dense and the paged call agree bitwise on the same rows,
+    both are within the dtype's tolerance of a float64 reference, and a second call gives the same bits."""
+    h, kv, d, p_tok, n_pages, n = shape
+    q, k_pool, v_pool, pages = (t.cuda() for t in _case(h, kv, d, p_tok, n_pages, n))
+    q, k_pool, v_pool = q.to(dtype), k_pool.to(dtype), v_pool.to(dtype)
+    scale = d ** -0.5
+    assert ops.decode_kernel(q.device)
+    got = ops.paged_decode_attention(q, k_pool, v_pool, pages, n, scale)
+    again = ops.paged_decode_attention(q, k_pool, v_pool, pages, n, scale)
+    kd, vd = _dense(k_pool, pages).contiguous(), _dense(v_pool, pages).contiguous()
+    dense = ops.decode_attention(q, kd, vd, n, scale)
+    assert got.dtype == dtype and got.shape == (h, d) and got.is_cuda
+    assert torch.equal(got, again) and torch.equal(got, dense)
+    exact = _float64(q.cpu(), kd.cpu(), vd.cpu(), n, scale)
+    err = float((got.cpu().double() - exact).abs().max())
+    assert err <= _CUDA_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bad_arguments_and_cpu_fp16_fall_back():
+    q, k_pool, v_pool, pages = (t.cuda() for t in _case(4, 2, 16, 8, 20, 60))
+    with pytest.raises(ValueError, match="page id"):
+        torch.ops.kvboost.paged_decode_attention(q, k_pool, v_pool, pages + 100, 60, 0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        torch.ops.kvboost.paged_decode_attention(q.half(), k_pool, v_pool, pages, 60, 0.25)
+    cpu = [t.cpu().half() for t in (q, k_pool, v_pool)]  # fp16 on the CPU: the reference, not the kernel
+    assert torch.equal(ops.paged_decode_attention(*cpu, pages.cpu(), 60, 0.25),
+                       reference.paged_decode_attention(*cpu, pages.cpu(), 60, 0.25))

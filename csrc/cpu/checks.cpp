@@ -114,8 +114,10 @@ int64_t check_blend_args(const at::Tensor& fresh, const at::Tensor& cached, int6
 // What both decode attentions ask of q (H, D) and their K/V (head_dim D_kv, KV heads Hkv, rows along the last dim).
 static DecodeGeometry check_decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         int64_t Hkv, int64_t D_kv) {
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-                    "kvboost: ", op, " takes float32 q/k/v");
+  const at::ScalarType dt = q.scalar_type();  // float32; on CUDA float16/bfloat16 too (fp32 accumulation)
+  const bool half = q.is_cuda() && (dt == at::kHalf || dt == at::kBFloat16);
+  TORCH_CHECK_VALUE((dt == at::kFloat || half) && k.scalar_type() == dt && v.scalar_type() == dt,
+                    "kvboost: ", op, " takes float32 q/k/v (float16/bfloat16 too on CUDA), all of one dtype");
   TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(),
                     "kvboost: ", op, "'s q/k/v are on different devices");
   const int64_t H = q.size(0), D = q.size(1);

@@ -209,8 +209,19 @@ def blend_select(fresh: torch.Tensor, cached: torch.Tensor, ratio_or_k: float | 
 
 # -- one decode row's attention --------------------------------------------------------------------------------
 def decode_kernel(device: torch.device) -> bool:
-    """Whether :func:`decode_attention` runs the native kernel for tensors on ``device`` (CPU only)."""
-    return device.type == "cpu" and _ext_device(device)
+    """Whether :func:`decode_attention` runs a native kernel for tensors on ``device``: the CPU extension, or on
+    CUDA an extension built with its CUDA kernels (``KVBOOST_CUDA=1``)."""
+    return device.type in ("cpu", "cuda") and _ext_device(device)
+
+
+_DECODE_DTYPES = {"cpu": (torch.float32,), "cuda": (torch.float32, torch.float16, torch.bfloat16)}
+
+
+def _decode_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q/k/v of one dtype that the device's decode kernel takes, on one device, K/V rows contiguous."""
+    return (q.dtype == k.dtype == v.dtype and q.dtype in _DECODE_DTYPES.get(q.device.type, ())
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.device == q.device == v.device
+            and decode_kernel(q.device))
 
 
 def decode_attend(device: torch.device) -> Callable[..., torch.Tensor] | None:
@@ -222,10 +233,10 @@ def decode_attend(device: torch.device) -> Callable[..., torch.Tensor] | None:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
     """q (H, D), k/v (H_kv, T, D) -> (H, D): one decode row per query head over keys [0, length), query head h
-    reading KV head h // (H / H_kv). fp32 on the CPU runs the native kernel (rows contiguous; K/V read once per
-    KV head; a row's result independent of the thread count); anything else the SDPA reference."""
-    if (q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and decode_kernel(q.device) and k.device == q.device == v.device):
+    reading KV head h // (H / H_kv). fp32 on the CPU (and fp32/fp16/bf16 on CUDA, see :func:`decode_kernel`) runs
+    the native kernel (rows contiguous; a row's result independent of the thread count and of the other rows);
+    anything else the SDPA reference."""
+    if _decode_native(q, k, v):
         return torch.ops.kvboost.decode_attention(q, k, v, int(length), float(scale))
     return reference.decode_attention(q, k, v, length, scale)
 
@@ -234,10 +245,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            length: int, scale: float) -> torch.Tensor:
     """:func:`decode_attention` over a page pool (``kvboost_core.serving.pages``): q (H, D), k_pool/v_pool
     (N, H_kv, P, D), ``pages`` (n,) int64 page ids in position order -> (H, D), key t read from page
-    ``pages[t // P]`` at slot ``t % P``; no dense copy of the sequence. fp32 on the CPU runs the native kernel,
-    bitwise :func:`decode_attention` on the gathered rows; anything else the reference (gather, then SDPA)."""
-    if (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.stride(-1) == 1
-            and v_pool.stride(-1) == 1 and decode_kernel(q.device) and pages.dtype == torch.long
-            and k_pool.device == q.device == v_pool.device == pages.device):
+    ``pages[t // P]`` at slot ``t % P``; no dense copy of the sequence. Where :func:`decode_attention` runs a
+    native kernel this runs its paged form (on the CPU bitwise the dense call on the gathered rows); anything else
+    the reference (gather, then SDPA)."""
+    if _decode_native(q, k_pool, v_pool) and pages.dtype == torch.long and pages.device == q.device:
         return torch.ops.kvboost.paged_decode_attention(q, k_pool, v_pool, pages, int(length), float(scale))
     return reference.paged_decode_attention(q, k_pool, v_pool, pages, length, scale)
