@@ -809,6 +809,37 @@ def kv_pool_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def int4_ort_table(result: dict[str, Any]) -> str:
+    """#35: int4 weights (the GGUF's blocks) through onnxruntime's MatMulNBits against FBGEMM fp16 and fp32."""
+    names = {"fp32": "fp32 (MKL)", "fp16": "fp16 weights (FBGEMM, `weights=\"fp16\"`)",
+             "ort_int4_fp32": "int4 weights, fp32 compute (ORT, accuracy 0)",
+             "ort_int4_int8act": "int4 weights, int8 activations (ORT, accuracy 4)"}
+    threads = list(result["step_linears_ms"])
+    head = ["weights"] + [f"a step's linear layers + head, {n} thread(s)" for n in threads] + [
+        f"prefill of {result['context']} tokens, {n} thread(s)" for n in threads] + [
+        "first-token KL, mean / max", "max logit diff", "same answer / first sentence"]
+    lines = [f"{result['model']}, every linear layer from the GGUF's own blocks ({result['gguf']}: Q4_1 layers, "
+             "the Q8_0 tied head) through onnxruntime's `MatMulNBits`, against the same model's fp32 and fp16-packed "
+             f"weights, side by side in one process. Fidelity against plain HF on the fp32 weights over "
+             f"{next(iter(result['fidelity'].values()))['prompts']} heldout RAG prompts (k={result['k']}), greedy "
+             f"answers of up to {result['max_new_tokens']} tokens:", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for name, label in names.items():
+        row = [label]
+        row += [f"{result['step_linears_ms'][n][name]['layers']:.1f} + {result['step_linears_ms'][n][name]['head']:.1f}"
+                " ms" for n in threads]
+        row += [f"{result['prefill_s'][n][name]:.2f} s" for n in threads]
+        f = result["fidelity"].get(name)
+        row += (["(reference)", "", ""] if f is None else
+                [f"{max(f['first_token_kl_mean'], 0):.1e} / {max(f['first_token_kl_max'], 0):.1e}",
+                 f"{f['max_logit_diff']:.1e}", f"{f['same_answer']:.0%} / {f['same_first_sentence']:.0%}"])
+        lines.append("| " + " | ".join(row) + " |")
+    w = result["weight_bytes"]
+    lines += ["", f"The int4 form holds {w['int4 (codes, scales, mins)'] / 2 ** 20:.0f} MiB of codes, scales and mins "
+              f"against the fp32 layers' {w['fp32'] / 2 ** 20:.0f} MiB ({w['int4 (codes, scales, mins)'] / w['fp32']:.2f}x)."]
+    return "\n".join(lines) + "\n"
+
+
 def decode_line(result: dict[str, Any]) -> str:
     """README's line from #35: decode tokens/s at fp16 against fp32 and llama.cpp, per thread count."""
     parts = []
@@ -865,6 +896,7 @@ TABLES = (
     Table("paged_attention", ("paged_attention.json",), paged_attention_table),
     Table("kv_pool", ("kv_pool.json",), kv_pool_table),
     Table("precision_fp16", ("precision_fp16.json",), precision_table),
+    Table("int4_ort", ("int4_ort.json",), int4_ort_table),
 )
 PLOTS = ("rag_eval.png", "ttft.png", "serve.png", "serve_demo.png", "grammar.png", "multiturn.png", "chat_turns.png",
          "ttft_flops_4k_flops.png", "decode.png", "backfill_stall.png")
