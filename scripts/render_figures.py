@@ -772,15 +772,17 @@ def paged_attention_table(result: dict[str, Any]) -> str:
              "through a table of a `PagePool` (`kvboost_core.serving.pages`) with the native paged kernel and are "
              "bitwise the dense native kernel on the same rows:", "",
              "| threads | page tokens | dense, SDPA | dense, native | paged, pages in a run | paged, pages scattered | "
-             "page-major storage, a run |", "|---|---|---|---|---|---|---|"]
+             "page-major storage, a run | keys before RoPE, rotated in torch |", "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         ms, base = r["ms"], r["ms"]["dense_native"]
-        paged = [f"{ms[a]:.2f} ms ({_fmt_speedup(base / ms[a])})"
-                 for a in ("paged_run", "paged_scattered", "page_major_run")]
+        paged = [f"{ms[a]:.2f} ms ({_fmt_speedup(base / ms[a])})" if a in ms else "-"
+                 for a in ("paged_run", "paged_scattered", "page_major_run", "prerope_torch")]
         lines.append(f"| {r['threads']} | {r['page_tokens']} | {ms['dense_sdpa']:.2f} ms | {base:.2f} ms | "
                      + " | ".join(paged) + " |")
     lines += ["", "Ratios against the dense native kernel. The pool stores each KV head's pages back to back "
-              "(head-major), so a run of pages reads like a dense sequence; scattered pages do not."]
+              "(head-major), so a run of pages reads like a dense sequence; scattered pages do not. The last column "
+              "is what sharing a document's pages across positions would cost per step in torch: its keys stored "
+              "before RoPE, gathered and rotated to the request's positions on every read."]
     return "\n".join(lines) + "\n"
 
 
@@ -806,6 +808,12 @@ def kv_pool_table(result: dict[str, Any]) -> str:
              f"{b['bytes'] / mib:,.0f} MiB ({b['bytes'] / one:.0f} requests' unshared KV) holds {b['dense_requests']} "
              f"requests as dense rows and {b['paged_requests']}{' (every request tried)' if b['paged_capped'] else ''}"
              " in the pool."]
+    moved = result.get("paged_shuffled")
+    if moved:
+        lines += ["", f"The same documents in another order per request (seeded shuffles): the pool holds "
+                  f"{moved['kv_bytes'] / mib:,.0f} MiB, {moved['kv_bytes'] / one:.2f}x one request's "
+                  f"({moved['pages_shared']} of {moved['pages_used']} pages shared). Pages are shared only where "
+                  "equal tokens sit at equal positions, so a document that moves is held again."]
     return "\n".join(lines) + "\n"
 
 

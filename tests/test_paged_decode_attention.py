@@ -120,7 +120,8 @@ def test_the_benchmark_measures_every_arm_on_the_same_rows(tmp_path):
     result = json.loads(out.read_text())
     assert [r["page_tokens"] for r in result["runs"]] == [8, 16]
     for r in result["runs"]:
-        assert set(r["ms"]) == {"dense_sdpa", "dense_native", "paged_run", "paged_scattered", "page_major_run"}
+        assert set(r["ms"]) == {"dense_sdpa", "dense_native", "paged_run", "paged_scattered", "page_major_run",
+                                "prerope_torch"}
         assert all(v > 0 for v in r["ms"].values()) and all(r["bitwise"].values())
 
 

@@ -99,10 +99,12 @@ def test_the_pool_benchmark_runs_and_shares(rag):
     pool holds the shared documents once (the figures themselves come from the benchmark, not from here)."""
     from kvboost_rag.app.bench.kv_pool import measure
 
-    r = measure(rag, c=3, doc_tokens=150, steps=2, page_tokens=8, budget_requests=2)
+    r = measure(rag, c=3, doc_tokens=500, steps=2, page_tokens=8, budget_requests=2)  # several documents
     assert r["same_tokens"] and r["paged"]["pages_shared"] > 0
     assert r["paged"]["kv_bytes"] < r["dense"]["kv_bytes"]
     assert r["budget"]["paged_requests"] > r["budget"]["dense_requests"] == 2
+    moved = r["paged_shuffled"]  # documents in other orders: equal pages only where positions agree
+    assert r["paged"]["pages_shared"] > moved["pages_shared"] and moved["kv_bytes"] > r["paged"]["kv_bytes"]
 
 
 def test_cancelled_and_failed_requests_return_their_pages(rag, monkeypatch):

@@ -10,7 +10,9 @@ path), then held by each decoder in turn:
 
 Per decoder: the KV bytes it holds for the ``c`` requests (dense: its buffers; paged: pages in use) against one
 request's, the process's resident memory growth when they join, greedy decode tokens/s over ``--steps`` steps at
-batch ``c`` (after 2 warm-up steps), and whether both decoders produced the same tokens. Then the largest batch a
+batch ``c`` (after 2 warm-up steps), and whether both decoders produced the same tokens; the pool's KV again with
+each request's documents in another order (``paged_shuffled``: what same-position sharing gives up). Then the
+largest batch a
 fixed budget (``--budget-requests`` requests' worth of dense KV) holds: dense by its rows' bytes, paged by adding
 requests to a pool of that size until it is full.
 
@@ -93,6 +95,27 @@ def _decode(decoder: Any, live: dict[Any, int], steps: int) -> tuple[float, list
     return steps * len(slots) / elapsed, tokens
 
 
+def _shuffled(rag: Any, driver: Any, docs: list[str], questions: list[str], new: int, budget: int,
+              page_tokens: int) -> dict[str, Any]:
+    """The same documents in another order per request (seeded shuffles), held in a pool: pages are shared only
+    where equal tokens sit at equal positions, so what a moved document costs is measured here."""
+    import random
+
+    from kvboost_core.serving.paged_batch import PagedBatchedDecoder
+
+    pres = []
+    for i, q in enumerate(questions):
+        order = list(docs)
+        random.Random(i).shuffle(order)
+        pres.append(_prefilled(rag, order, q))
+    pool = PagedBatchedDecoder(driver, len(pres), pool_bytes=budget, page_tokens=page_tokens)
+    _, grown, _ = _hold(pool, pres, new)
+    stats = pool.stats()
+    pool.reset()
+    return {"kv_bytes": stats.used * pool.pool.page_bytes, "pages_used": stats.used, "pages_shared": stats.shared,
+            "rss_growth": grown}
+
+
 def measure(rag: Any, c: int, doc_tokens: int, steps: int, page_tokens: int, budget_requests: int) -> dict[str, Any]:
     from kvboost_core.serving.batch import BatchedDecoder
     from kvboost_core.serving.paged_batch import PagedBatchedDecoder
@@ -134,6 +157,7 @@ def measure(rag: Any, c: int, doc_tokens: int, steps: int, page_tokens: int, bud
         paged.remove(s)
     del paged
     gc.collect()
+    out["paged_shuffled"] = _shuffled(rag, driver, docs, questions[:c], new, budget, page_tokens)
 
     fixed = one_request * budget_requests
     pool = PagedBatchedDecoder(driver, len(questions), pool_bytes=fixed, page_tokens=page_tokens)
@@ -181,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{d['rss_growth'] / 2**20:.0f} MiB, paged {p['rss_growth'] / 2**20:.0f} MiB; decode dense "
           f"{d['tokens_per_s']:.1f} tok/s, paged {p['tokens_per_s']:.1f} tok/s; same tokens {r['same_tokens']}; "
           f"a budget of {args.budget_requests} requests holds dense {r['budget']['dense_requests']}, paged "
-          f"{r['budget']['paged_requests']}{'+' if r['budget']['paged_capped'] else ''}", flush=True)
+          f"{r['budget']['paged_requests']}{'+' if r['budget']['paged_capped'] else ''}; shuffled orders: paged "
+          f"{r['paged_shuffled']['kv_bytes'] / one:.2f}x ({r['paged_shuffled']['pages_shared']} of "
+          f"{r['paged_shuffled']['pages_used']} pages shared)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -10,7 +10,10 @@ one query row per head over ``context`` tokens of random fp32 K/V:
   table took in one run (consecutive ids: a KV head's pages lie back to back in the head-major pool);
 - ``paged_scattered``: the same table's size over pages scattered through the pool, as a pool in use for a while
   hands them out;
-- ``page_major_run``: a run of pages in page-major storage (N, H_kv, P, D), the layout the pool does not use.
+- ``page_major_run``: a run of pages in page-major storage (N, H_kv, P, D), the layout the pool does not use;
+- ``prerope_torch``: what sharing a document's pages across positions would cost if done in torch: pages holding
+  keys before RoPE, gathered, rotated to their positions (``k * cos + rotate_half(k) * sin``), then the native
+  dense kernel (not bitwise the others: different keys).
 
 Medians of ``rounds`` passes over every layer after 3 warm-up passes; the paged arms are checked bitwise against
 the dense native kernel on the same rows.
@@ -72,6 +75,15 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
     page_major_k = [k.contiguous() for k in keys]  # (N, H_kv, P, D) storage
     page_major_v = [v.contiguous() for v in values]
 
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.arange(context, dtype=torch.float32)[:, None] * inv  # (T, D/2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (T, D)
+
+    def rotated(i: int) -> Any:
+        k = reference.gather_pages(keys[i], run_ids, context)  # (H_kv, T, D)
+        half = head_dim // 2
+        return (k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin).contiguous()
+
     def paged(ks: list[Any], vs: list[Any], ids: Any) -> Callable[[], list[Any]]:
         return lambda: [ops.paged_decode_attention(q, ks[i], vs[i], ids, context, scale) for i in range(layers)]
 
@@ -83,6 +95,9 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
         "paged_run": paged(keys, values, run_ids),
         "paged_scattered": paged(keys, values, scattered),
         "page_major_run": paged(page_major_k, page_major_v, run_ids),
+        "prerope_torch": lambda: [ops.decode_attention(q, rotated(i), reference.gather_pages(values[i], run_ids,
+                                                                                             context).contiguous(),
+                                                      context, scale) for i in range(layers)],
     }
     dense = arms["dense_native"]()
     bitwise = {a: all(torch.equal(x, y) for x, y in zip(arms[a](), dense, strict=True))
