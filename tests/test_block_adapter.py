@@ -260,3 +260,10 @@ def test_evaluate_full_attention_arm(trained, tokenizer):
     base = out["base"]
     assert base["full_acc"] == out["full_acc"]
     assert base["block_cost"]["diff"] == pytest.approx(base["diff"])
+    assert base["full_answer_kl"] < 2e-3  # the base model's full prefill is the teacher
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.normal_(0, 0.3)
+    moved = adapt_block.evaluate(rag, lora, lead, targets, 6, gates=(True,), full=True)["adapted"]
+    assert moved["full_answer_kl"] > 1e-2  # weights that move the full prefill show in its KL

@@ -77,11 +77,43 @@ def test_student_under_full_attention_has_zero_loss_and_block_attention_does_not
         assert float(distill.student_loss(model, lead, t, distill.RECIPES["b"])) > 1e-3
 
 
+def test_full_attention_term_is_the_plain_prefills_kl_and_trains_the_adapter(setup):
+    """Recipe e's extra term is the row loss of a plain HF forward of the teacher's ids under the adapter: ~0 on
+    the base weights (the student is then the teacher), equal to a hand computation from ``model(...).logits`` on
+    perturbed weights, and it reaches the LoRA weights through the gradient."""
+    _, eng, ids, runs = setup
+    model, lora = _fresh_lora()  # its own model: the shared one stays without modules
+    t = distill.teacher_target(model, ids, runs, 6, set())  # the gate closed: the base model
+    lead = list(eng._warm_prefix)
+    plain, with_full = distill.Recipe("dense"), distill.Recipe("dense", full_weight=2.0)
+    with lora.gated(True), torch.inference_mode():
+        base_gap = distill.student_loss(model, lead, t, with_full) - distill.student_loss(model, lead, t, plain)
+    assert abs(float(base_gap)) < 2e-3  # B = 0 at attach: the adapter is the base model
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.normal_(0, 0.3)
+    with lora.gated(True):
+        with torch.inference_mode():
+            gap = distill.student_loss(model, lead, t, with_full) - distill.student_loss(model, lead, t, plain)
+            logits = model(input_ids=torch.tensor([ids + t.answer[:-1]])).logits[0, t.tail_from:].float()
+        want = distill.sparse_kl(t.top_idx, t.top_logp, t.rest_logp, torch.log_softmax(logits, -1)).mean()
+        assert float(want) > 1e-2 and abs(float(gap) - 2 * float(want)) < 1e-4 * max(1.0, float(want))
+        for p in lora.parameters():
+            p.requires_grad_(True)
+        first = t.rows - t.answer_rows
+        distill.rows_loss(model, distill.full_hidden(model, t)[first:], t, first, 0.5).backward()
+    assert all(p.grad is not None for p in lora.parameters())
+    assert sum(float(p.grad.abs().sum()) for p in lora.parameters()) > 0
+
+
 def test_recipes_reject_bad_values():
     with pytest.raises(ValueError, match="rows"):
         distill.Recipe("all")
     with pytest.raises(ValueError, match=">= 0"):
         distill.Recipe("dense", hidden_weight=-1)
+    with pytest.raises(ValueError, match="full_weight"):
+        distill.Recipe("dense", full_weight=-0.5)
 
 
 def test_shards_resume_and_a_corrupt_shard_names_itself(setup, tmp_path, monkeypatch):

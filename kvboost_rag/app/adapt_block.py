@@ -12,7 +12,9 @@ and, at every tail row, its sparse next-token distribution and final hidden stat
 - ``a``: KL on the answer rows (the recipe of the shipped adapter);
 - ``b``: dense distillation: KL at every question and answer row, plus the teacher's hidden states there;
 - ``c``: ``b`` plus cross-entropy on the gold answer where a chat has one;
-- ``d``: ``b`` with 4 link slots after each document (:mod:`kvboost_core.lora.block_links`; not served yet).
+- ``d``: ``b`` with 4 link slots after each document (:mod:`kvboost_core.lora.block_links`; not served yet);
+- ``e``: ``b``, plus the same loss for the adapted model's own full-attention prefill of the ids (it keeps the base
+  model's behaviour under full attention while it learns block reading).
 
 Training chats (:mod:`.train_corpus`): real English prose (standard-library docstrings, installed distributions'
 descriptions) and invented-entity documents, in five question kinds, some with an earlier turn. Never the
@@ -104,7 +106,8 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
     attention (``None``: base weights; ``True``: the adapter), with paired bootstrap CIs; answer-row KL.
     ``links``: a link table's rows (the prompts get that many link slots after every document). ``full``: also
     each gate's own full prefill of the same ids (no link slots), and block attention's accuracy against it
-    (``block_cost``: the cost of block reading itself, apart from what the weights changed)."""
+    (``block_cost``: the cost of block reading itself, apart from what the weights changed; ``full_answer_kl``:
+    the answer-row KL of that full prefill against the base model's, how far the weights moved it)."""
     import torch
 
     from kvboost_core.lora.block_prefill import block_greedy
@@ -137,9 +140,13 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
                 kls.append(float(distill.student_loss(model, lead, t, distill.Recipe("answer", links=n_links),
                                                       encoded, links)))
                 encoded.clear()
-            # plain HF greedy of the same ids (the reference bench rag --adapted-full uses), not teacher targets
-            own = [rc.is_correct(text(hf_steps(model, t.ids, max_new_tokens, stop=eos)[1]), qs[t.kind])
-                   for t in targets] if full else []
+            # plain HF greedy of the same ids (the reference bench rag --adapted-full uses), not teacher targets;
+            # and the answer-row KL of that full prefill against the base model's (how far the weights moved it)
+            own, full_kls = [], []
+            for t in targets if full else ():
+                own.append(rc.is_correct(text(hf_steps(model, t.ids, max_new_tokens, stop=eos)[1]), qs[t.kind]))
+                first = t.rows - t.answer_rows
+                full_kls.append(float(distill.rows_loss(model, distill.full_hidden(model, t)[first:], t, first, 0.0)))
         pa = paired_accuracy(ref, got)
         out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
                      "same_answer": statistics.fmean(same), "answer_kl": statistics.fmean(kls)}
@@ -147,6 +154,7 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
             bc = paired_accuracy(own, got)
             out[name]["full_acc"] = bc.reference_accuracy
             out[name]["block_cost"] = {"diff": bc.diff, "ci": [bc.diff_lo, bc.diff_hi], "p": bc.mcnemar_p}
+            out[name]["full_answer_kl"] = statistics.fmean(full_kls)
     return out
 
 
@@ -196,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="teacher-target directory, shareable across runs (default: OUT/data)")
     ap.add_argument("--recipe", choices=sorted(distill.RECIPES), default="b",
                     help="a: answer-row KL; b: dense KL + hidden states; c: b + gold answers; d: b + 4 link slots "
-                    "after each document (default: b)")
+                    "after each document; e: b + the same loss under full attention, against drift (default: b)")
     ap.add_argument("--chats", type=positive_int, default=1200, help="training chats (the teacher runs once each)")
     ap.add_argument("--entities", type=positive_int, default=1200, help="invented-entity documents in the pool")
     ap.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps (one chat each)")

@@ -15,7 +15,10 @@ same ids. Losses (all means over rows):
   of the full KL, and equal to it when the teacher's rest mass is zero;
 - :func:`hidden_loss`: squared error of the final hidden states relative to the teacher's squared norm;
 - ``answer`` recipe: the KL on the answer rows only (the recipe of the shipped adapter); ``dense``: every tail row
-  plus ``hidden_weight`` times the hidden loss.
+  plus ``hidden_weight`` times the hidden loss;
+- ``full_weight``: the same loss once more for the adapted model's own plain full-attention prefill of the same
+  ids (:func:`full_hidden`), so the adapter learns block reading without moving what the model does under full
+  attention (on dev2 the adapter's own full prefill answered 2.2 points below the base model's).
 
 Targets are written in shards of ``SHARD`` chats (``targets-00000.pt``...), each complete before it is renamed into
 place, so a killed run resumes at the first missing shard. torch loads on first use.
@@ -136,17 +139,19 @@ class Recipe:
     hidden_weight: float = 0.0  # times the hidden-state loss over the same rows
     gold_weight: float = 0.0  # times the cross-entropy of the gold answer (an extra pass, where a chat has one)
     links: int = 0  # link slots after each document (kvboost_core.lora.block_links), trained with the LoRA
+    full_weight: float = 0.0  # times the same row loss of the adapted model's plain full prefill (an extra pass)
 
     def __post_init__(self) -> None:
         if self.rows not in ("answer", "dense"):
             raise ValueError(f"rows must be 'answer' or 'dense', got {self.rows!r}")
-        if self.hidden_weight < 0 or self.gold_weight < 0 or self.links < 0:
-            raise ValueError("hidden_weight, gold_weight and links must be >= 0")
+        if min(self.hidden_weight, self.gold_weight, self.links, self.full_weight) < 0:
+            raise ValueError("hidden_weight, gold_weight, links and full_weight must be >= 0")
 
 
 RECIPES = {"a": Recipe("answer"), "b": Recipe("dense", hidden_weight=0.5),
            "c": Recipe("dense", hidden_weight=0.5, gold_weight=0.5),
-           "d": Recipe("dense", hidden_weight=0.5, links=4)}
+           "d": Recipe("dense", hidden_weight=0.5, links=4),
+           "e": Recipe("dense", hidden_weight=0.5, full_weight=1.0)}
 LINK_FILL_ID = 0  # the placeholder id of a link slot (never embedded: the slot's input is the table's row)
 
 
@@ -171,21 +176,41 @@ def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
         raise ValueError(f"recipe has {recipe.links} link slots; pass a link table of as many rows")
     hidden = _hidden_fn(model, lead, t, encoded, links)
     ids, runs, tail = student_view(t, t.answer[:-1], recipe.links)
-    h = hidden(ids, runs, tail)
     first = 0 if recipe.rows == "dense" else t.rows - t.answer_rows
-    h = h[first:]
-    s_logp = torch.log_softmax(model.lm_head(h).float(), -1)
-    dev = h.device
-    loss = sparse_kl(t.top_idx[first:].to(dev), t.top_logp[first:].to(dev), t.rest_logp[first:].to(dev),
-                     s_logp).mean()
-    if recipe.hidden_weight:
-        loss = loss + recipe.hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
+    loss = rows_loss(model, hidden(ids, runs, tail)[first:], t, first, recipe.hidden_weight)
+    if recipe.full_weight:
+        full = rows_loss(model, full_hidden(model, t)[first:], t, first, recipe.hidden_weight)
+        loss = loss + recipe.full_weight * full
     if recipe.gold_weight and t.gold:
         gids, gruns, _ = student_view(t, t.gold[:-1], recipe.links)
         hg = hidden(gids, gruns, len(gids) - len(t.gold))
         ce = torch.nn.functional.cross_entropy(model.lm_head(hg).float(), torch.tensor(t.gold, device=hg.device))
         loss = loss + recipe.gold_weight * ce
     return loss
+
+
+def rows_loss(model: Any, h: torch.Tensor, t: Target, first: int, hidden_weight: float) -> torch.Tensor:
+    """Mean sparse KL (plus ``hidden_weight`` times the hidden loss) of the student's final hidden states ``h``
+    (R - first, d) against the teacher's tail rows ``first..``."""
+    import torch
+
+    s_logp = torch.log_softmax(model.lm_head(h).float(), -1)
+    dev = h.device
+    loss = sparse_kl(t.top_idx[first:].to(dev), t.top_logp[first:].to(dev), t.rest_logp[first:].to(dev),
+                     s_logp).mean()
+    if hidden_weight:
+        loss = loss + hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
+    return loss
+
+
+def full_hidden(model: Any, t: Target) -> torch.Tensor:
+    """The (gated) model's plain full-attention prefill of the teacher's ids and answer: the final hidden states
+    at the tail rows, (R, d), aligned with the target's rows. Differentiable."""
+    import torch
+
+    device = next(model.parameters()).device
+    out = model.model(input_ids=torch.tensor([t.ids + t.answer[:-1]], device=device))
+    return out.last_hidden_state[0, t.tail_from:]
 
 
 FUSED = True  # student_loss's construction: the one-pass block_fused (off: block_prefill's run-by-run reference)
