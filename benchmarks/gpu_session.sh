@@ -23,8 +23,9 @@ BENCHES=${BENCHES-"qwen2.5-0.5b:2,4,8:3:100 qwen2.5-7b:8,16,30:2:170"}  # shape:
 DEADLINE=${DEADLINE:-560}  # seconds from the start: later stages shrink or skip to end before it
 DEVICE=${DEVICE:-cuda}  # cpu only for a dry run of this script
 STAGE=${STAGE:-/tmp/kvb_stage}  # where scripts/gpu_payload.sh's parts were copied (p0, p1, ...); none: no arms
-BLOCK_ARMS=${BLOCK_ARMS-"b d"}  # arms trained side by side: recipe[:init] (kvboost_rag.app.distill.RECIPES; init: an
-# adapter directory to start from, default the shipped one)
+# arms trained side by side: recipe[:init] (kvboost_rag.app.distill.RECIPES; init: an adapter directory to start from,
+# default the shipped one, which is scale_b_gpu). Default: recipe e (the full-attention term) against its control b
+BLOCK_ARMS=${BLOCK_ARMS-"b e"}
 BLOCK_MIN=${BLOCK_MIN:-5}  # wall-minutes of training per arm (the schedule decays over them)
 BLOCK_ARGS=${BLOCK_ARGS:-"--lr 3e-4 --eval --dev-limit 64"}
 BLOCK_CHATS=${BLOCK_CHATS:-768}  # training chats of the staged data/ (BLOCK_DATA's when that is set)
