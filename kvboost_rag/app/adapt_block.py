@@ -145,8 +145,7 @@ def evaluate(rag: Any, lora: Any, lead: Sequence[int], targets: Sequence[Any], m
             own, full_kls = [], []
             for t in targets if full else ():
                 own.append(rc.is_correct(text(hf_steps(model, t.ids, max_new_tokens, stop=eos)[1]), qs[t.kind]))
-                first = t.rows - t.answer_rows
-                full_kls.append(float(distill.rows_loss(model, distill.full_hidden(model, t)[first:], t, first, 0.0)))
+                full_kls.append(float(distill.full_loss(model, t, distill.Recipe("answer"))))
         pa = paired_accuracy(ref, got)
         out[name] = {"acc": pa.accuracy, "diff": pa.diff, "ci": [pa.diff_lo, pa.diff_hi], "p": pa.mcnemar_p,
                      "same_answer": statistics.fmean(same), "answer_kl": statistics.fmean(kls)}

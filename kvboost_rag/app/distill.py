@@ -176,11 +176,10 @@ def student_loss(model: Any, lead: Sequence[int], t: Target, recipe: Recipe,
         raise ValueError(f"recipe has {recipe.links} link slots; pass a link table of as many rows")
     hidden = _hidden_fn(model, lead, t, encoded, links)
     ids, runs, tail = student_view(t, t.answer[:-1], recipe.links)
-    first = 0 if recipe.rows == "dense" else t.rows - t.answer_rows
+    first = first_row(t, recipe)
     loss = rows_loss(model, hidden(ids, runs, tail)[first:], t, first, recipe.hidden_weight)
     if recipe.full_weight:
-        full = rows_loss(model, full_hidden(model, t)[first:], t, first, recipe.hidden_weight)
-        loss = loss + recipe.full_weight * full
+        loss = loss + recipe.full_weight * full_loss(model, t, recipe)
     if recipe.gold_weight and t.gold:
         gids, gruns, _ = student_view(t, t.gold[:-1], recipe.links)
         hg = hidden(gids, gruns, len(gids) - len(t.gold))
@@ -201,6 +200,19 @@ def rows_loss(model: Any, h: torch.Tensor, t: Target, first: int, hidden_weight:
     if hidden_weight:
         loss = loss + hidden_weight * hidden_loss(h, t.hidden[first:].to(dev)).mean()
     return loss
+
+
+def first_row(t: Target, recipe: Recipe) -> int:
+    """The first of the target's tail rows the recipe's loss reads: 0 (dense) or the first answer row."""
+    return 0 if recipe.rows == "dense" else t.rows - t.answer_rows
+
+
+def full_loss(model: Any, t: Target, recipe: Recipe) -> torch.Tensor:
+    """The recipe's row loss (KL, plus its hidden-state term) of the (gated) model's plain full-attention prefill
+    of ``t``, without link slots: recipe ``e``'s extra term, and with ``Recipe("answer")`` the drift
+    :func:`kvboost_rag.app.adapt_block.evaluate` reports. Differentiable."""
+    first = first_row(t, recipe)
+    return rows_loss(model, full_hidden(model, t)[first:], t, first, recipe.hidden_weight)
 
 
 def full_hidden(model: Any, t: Target) -> torch.Tensor:
