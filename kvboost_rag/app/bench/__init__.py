@@ -1,3 +1,17 @@
 """The benchmarks behind ``kvboost-rag bench``: :mod:`.ttft` (TTFT side by side, the entry point), :mod:`.rag`
 (real-model RAG answers, ``bench rag``), :mod:`.quality` (answer quality beside the timings) and :mod:`.peer`
-(the PyPI ``kvboost`` package run on the same prompts). Importing this package loads nothing."""
+(the PyPI ``kvboost`` package run on the same prompts). Importing this package loads nothing heavy; it holds
+:func:`write_json`, the one writer of every benchmark's JSON result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def write_json(path: str | None, result: Any) -> None:
+    """Write a benchmark's result to ``path`` as ``benchmarks/results/`` keeps it (indent 1); no path: nothing."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

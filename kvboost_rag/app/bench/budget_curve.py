@@ -16,6 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
+
 
 def _cpu_minutes(trained: dict[str, Any]) -> float:
     """Training CPU-minutes (teacher targets not counted: they are computed once and shared). The shipped adapter
@@ -96,9 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         ap.exit(2, f"budget_curve: error: {e}\n")
     print(table(points))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"points": points}, f, indent=1)
+    write_json(args.json, {"points": points})
     if args.plot:
         plot(points, args.plot)
     return 0

@@ -23,7 +23,6 @@ fp16, torch's weight-only int8/int4 packs, FBGEMM dynamic int8) at SmolLM2's sha
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.flops import speedup
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 
@@ -267,9 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         result["resident_mb"] = {m: resident_mb(m, args.model, 1) for m in METHODS if m != "hf"}
         print("resident MiB over torch's:", result["resident_mb"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     if args.plot:
         from kvboost_rag.app.bench.decode_ops import plot
 

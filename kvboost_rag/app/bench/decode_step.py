@@ -18,13 +18,13 @@ attention alone (SDPA against the native kernel over every layer's K/V) and its 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL
 
 PATHS = ("planned", "lean_sdpa", "lean_native")
@@ -139,7 +139,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + f"; attention sdpa {a['sdpa']:.1f} ms, native {a['native']:.1f} ms, floor {a['read_floor']:.1f}"
                   f" ms; lean_sdpa bitwise {r['lean_sdpa_bitwise']}, native max diff {r['lean_native_max_diff']:.1e}",
                   flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0

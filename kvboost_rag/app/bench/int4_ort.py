@@ -28,13 +28,13 @@ Needs ``onnxruntime`` and ``onnx`` (the bench extra); nothing in the package imp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, first_sentence, messages
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -301,9 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: first-token KL {f['first_token_kl_mean']:.2e} (max {f['first_token_kl_max']:.2e}), max logit "
               f"diff {f['max_logit_diff']:.2e}, same answer {f['same_answer']:.0%}, same first sentence "
               f"{f['same_first_sentence']:.0%}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
     return 0
 
 

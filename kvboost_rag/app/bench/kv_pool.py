@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 
 
@@ -208,9 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{r['budget']['paged_requests']}{'+' if r['budget']['paged_capped'] else ''}; shuffled orders: paged "
           f"{r['paged_shuffled']['kv_bytes'] / one:.2f}x ({r['paged_shuffled']['pages_shared']} of "
           f"{r['paged_shuffled']['pages_used']} pages shared)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

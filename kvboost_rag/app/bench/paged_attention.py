@@ -24,12 +24,13 @@ the dense native kernel on the same rows.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvboost_rag.app.bench import write_json
 
 
 def _median_ms(fn: Callable[[], Any], rounds: int) -> float:
@@ -137,9 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["runs"].append(r)
             print(f"{t} thread(s), pages of {p}: " + ", ".join(f"{a} {v:.2f} ms" for a, v in r["ms"].items())
                   + f"; bitwise {r['bitwise']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

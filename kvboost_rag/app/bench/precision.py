@@ -13,13 +13,13 @@ first-token agreement and KL(reference || precision) of the first-token distribu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, first_sentence, messages
 
 
@@ -99,7 +99,5 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"points; same answer {out['same_answer']:.1%}, same first sentence {out['same_first_sentence']:.1%}, "
           f"same first token {out['same_first_token']:.1%}; first-token KL mean {out['first_token_kl_mean']:.2e}, "
           f"max {out['first_token_kl_max']:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0

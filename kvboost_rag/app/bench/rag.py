@@ -30,6 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, SYSTEM, first_sentence, messages, user_message
 from kvboost_rag.app.bench.rag_report import plot_curve, print_table
 
@@ -391,9 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _save(result: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(json_path, result)
     if plot_path:
         plot_curve(result, plot_path)
 
