@@ -12,7 +12,7 @@ one query row per head over ``context`` tokens of random fp32 K/V:
   hands them out;
 - ``page_major_run``: a run of pages in page-major storage (N, H_kv, P, D), the layout the pool does not use;
 - ``prerope_torch``: what sharing a document's pages across positions would cost if done in torch: pages holding
-  keys before RoPE, gathered, rotated to their positions (``k * cos + rotate_half(k) * sin``), then the native
+  keys before RoPE, gathered, rotated to their positions (:func:`kvboost_core.rope.rerotate`), then the native
   dense kernel (not bitwise the others: different keys).
 
 Medians of ``rounds`` passes over every layer after 3 warm-up passes; the paged arms are checked bitwise against
@@ -50,6 +50,7 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
     import torch
 
     from kvboost_core.kernels import ops, reference
+    from kvboost_core.rope import rerotate
     from kvboost_core.serving.pages import PagePool, PageTable
 
     g = torch.Generator().manual_seed(seed)
@@ -80,10 +81,8 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
     angles = torch.arange(context, dtype=torch.float32)[:, None] * inv  # (T, D/2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (T, D)
 
-    def rotated(i: int) -> Any:
-        k = reference.gather_pages(keys[i], run_ids, context)  # (H_kv, T, D)
-        half = head_dim // 2
-        return (k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin).contiguous()
+    def rotated(i: int) -> Any:  # the engine's own rotation of cached keys
+        return rerotate(reference.gather_pages(keys[i], run_ids, context), cos, sin).contiguous()  # (H_kv, T, D)
 
     def paged(ks: list[Any], vs: list[Any], ids: Any) -> Callable[[], list[Any]]:
         return lambda: [ops.paged_decode_attention(q, ks[i], vs[i], ids, context, scale) for i in range(layers)]
