@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvboost_rag.app.bench import write_json
-from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, first_sentence, messages
+from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -209,14 +209,13 @@ def prefill_s(models: dict[str, Any], context: int, rounds: int) -> dict[str, fl
 def fidelity(models: dict[str, Any], tok: Any, prompts: int, k: int, max_new: int) -> dict[str, Any]:
     """Each model against ``models["fp32"]`` on the first ``prompts`` heldout RAG prompts."""
     import torch
-    import torch.nn.functional as F
 
     from kvboost_rag.app import rag_corpus as rc
+    from kvboost_rag.app.bench.precision import agreement, eos_ids
     from kvboost_rag.app.bench.rag import hf_greedy
 
     ref_model = models["fp32"]
-    gen_eos = getattr(ref_model.generation_config, "eos_token_id", None)
-    eos = {int(tok.eos_token_id)} | set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+    eos = eos_ids(ref_model, tok)
     sets = rc.retrieval_sets(rc.load_corpus("heldout"), k, 0)[:prompts]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in models if name != "fp32"}
     for q, docs in sets:
@@ -226,12 +225,8 @@ def fidelity(models: dict[str, Any], tok: Any, prompts: int, k: int, max_new: in
             ref = hf_greedy(ref_model, tok, ids, max_new, eos)
             for name in rows:
                 got = hf_greedy(models[name], tok, ids, max_new, eos)
-                kl = F.kl_div(F.log_softmax(got.logits, -1), F.log_softmax(ref.logits, -1), log_target=True,
-                              reduction="sum")
-                rows[name].append({"tokens": len(ids), "first_token_kl": float(kl),
-                                   "max_logit_diff": float((got.logits - ref.logits).abs().max()),
-                                   "same_answer": got.tokens == ref.tokens,
-                                   "same_first_sentence": first_sentence(got.text) == first_sentence(ref.text)})
+                rows[name].append({"tokens": len(ids), **agreement(ref, got),
+                                   "max_logit_diff": float((got.logits - ref.logits).abs().max())})
     return {name: {"prompts": len(r), "prompt_tokens_median": statistics.median(x["tokens"] for x in r),
                    "first_token_kl_mean": statistics.fmean(x["first_token_kl"] for x in r),
                    "first_token_kl_max": max(x["first_token_kl"] for x in r),

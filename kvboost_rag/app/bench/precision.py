@@ -23,10 +23,27 @@ from kvboost_rag.app.bench import write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, first_sentence, messages
 
 
+def eos_ids(model: Any, tok: Any) -> set[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids: where a greedy answer stops."""
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    return {int(tok.eos_token_id)} | set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+
+
+def agreement(ref: Any, low: Any) -> dict[str, Any]:
+    """How one prompt's greedy answer (``hf_greedy``'s result) under another precision agrees with the fp32
+    reference's: equal token for token, by first sentence, by first token, and KL(reference || other) of the
+    first-token distribution."""
+    import torch.nn.functional as F
+
+    kl = F.kl_div(F.log_softmax(low.logits, -1), F.log_softmax(ref.logits, -1), log_target=True, reduction="sum")
+    return {"same_answer": low.tokens == ref.tokens,
+            "same_first_sentence": first_sentence(low.text) == first_sentence(ref.text),
+            "same_first_token": low.tokens[:1] == ref.tokens[:1], "first_token_kl": float(kl)}
+
+
 def compare(model: str, weights: str, split: str, k: int, max_new: int, limit: int | None,
             seed: int = 0) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvboost_core import zoo
@@ -39,8 +56,7 @@ def compare(model: str, weights: str, split: str, k: int, max_new: int, limit: i
     tok = AutoTokenizer.from_pretrained(path)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     low_model = pack(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), weights)
-    gen_eos = getattr(ref_model.generation_config, "eos_token_id", None)
-    eos = {int(tok.eos_token_id)} | set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+    eos = eos_ids(ref_model, tok)
     corpus = rc.load_corpus(split)
     sets = rc.retrieval_sets(corpus, k, seed)
     if limit is not None:
@@ -53,12 +69,8 @@ def compare(model: str, weights: str, split: str, k: int, max_new: int, limit: i
                                                  return_dict=False)
         ref = hf_greedy(ref_model, tok, ids, max_new, eos)
         low = hf_greedy(low_model, tok, ids, max_new, eos)
-        kl = F.kl_div(F.log_softmax(low.logits, -1), F.log_softmax(ref.logits, -1),
-                      log_target=True, reduction="sum")
         rows.append({"id": q.id, "tokens": len(ids), "ref_right": rc.is_correct(ref.text, q),
-                     "low_right": rc.is_correct(low.text, q), "same_answer": low.tokens == ref.tokens,
-                     "same_first_sentence": first_sentence(low.text) == first_sentence(ref.text),
-                     "same_first_token": low.tokens[:1] == ref.tokens[:1], "first_token_kl": float(kl)})
+                     "low_right": rc.is_correct(low.text, q), **agreement(ref, low)})
     pa = paired_accuracy([r["ref_right"] for r in rows], [r["low_right"] for r in rows])
     return {"model": model, "weights": weights, "split": split, "k": k, "questions": len(rows),
             "max_new_tokens": max_new, "prompt_tokens_median": statistics.median(r["tokens"] for r in rows),
