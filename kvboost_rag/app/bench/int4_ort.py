@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-from kvboost_rag.app.bench import write_json
+from kvboost_rag.app.bench import median_ms, write_json
 from kvboost_rag.app.bench.rag_chat import DEFAULT_MODEL, messages
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -161,15 +161,6 @@ def int4_model(path: str, gguf_file: str, accuracy: int, threads: int) -> tuple[
     return model, held
 
 
-def _median_ms(fn: Any, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
 
 def _linears(model: Any) -> list[tuple[Any, int]]:
     """Every linear layer of ``model`` (fp32, fp16-packed or int4) with its input width."""
@@ -193,7 +184,7 @@ def step_linears(models: dict[str, Any], rounds: int) -> dict[str, dict[str, flo
                 m(x)
 
         with torch.inference_mode():
-            out[name] = {part: _median_ms(lambda c=calls: run(c), rounds) for part, calls in parts.items()}
+            out[name] = {part: median_ms(partial(run, calls), rounds) for part, calls in parts.items()}
     return out
 
 
@@ -203,7 +194,7 @@ def prefill_s(models: dict[str, Any], context: int, rounds: int) -> dict[str, fl
 
     ids = torch.randint(100, 40000, (1, context), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        return {name: _median_ms(lambda m=model: m(ids), rounds) / 1e3 for name, model in models.items()}
+        return {name: median_ms(partial(model, ids), rounds) / 1e3 for name, model in models.items()}
 
 
 def fidelity(models: dict[str, Any], tok: Any, prompts: int, k: int, max_new: int) -> dict[str, Any]:

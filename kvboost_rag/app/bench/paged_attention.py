@@ -24,24 +24,11 @@ the dense native kernel on the same rows.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvboost_rag.app.bench import write_json
-
-
-def _median_ms(fn: Callable[[], Any], rounds: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from kvboost_rag.app.bench import median_ms, write_json
 
 
 def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int, page_tokens: int,
@@ -102,7 +89,7 @@ def measure(layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
     dense = arms["dense_native"]()
     bitwise = {a: all(torch.equal(x, y) for x, y in zip(arms[a](), dense, strict=True))
                for a in ("paged_run", "paged_scattered", "page_major_run")}
-    return {"ms": {a: _median_ms(f, rounds) for a, f in arms.items()}, "bitwise": bitwise,
+    return {"ms": {a: median_ms(f, rounds, warmup=3) for a, f in arms.items()}, "bitwise": bitwise,
             "kv_mb": 2 * layers * kv_heads * context * head_dim * 4 / 1e6}
 
 
